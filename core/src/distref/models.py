@@ -1,0 +1,163 @@
+"""The models every impl trains, each an ordered list of named blocks.
+
+`BlockModel` is an `nn.Sequential` of named blocks, so model-parallel and pipeline impls can partition it
+by block without special cases, and parameter names (`conv1.0.weight`, `block0.attn.qkv.weight`, ...) are
+the same whichever impl trains it: a `--save-final` state_dict from any impl loads into any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from distref.data import DatasetInfo
+
+
+class BlockModel(nn.Sequential):
+    """Named blocks applied in order. With `activation_checkpointing`, each block's activations are
+    dropped after forward and recomputed in backward (non-reentrant checkpointing): less memory, ~1/3
+    more compute."""
+
+    def __init__(self, blocks: OrderedDict[str, nn.Module]):
+        super().__init__(blocks)
+        self.activation_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+
+def lenet(num_classes: int = 10) -> BlockModel:
+    """The classic MNIST CNN of the PyTorch examples (without dropout, so that runs are deterministic
+    whatever the world size): conv 1→10 k5, maxpool, conv 10→20 k5, maxpool, fc 320→50→10."""
+    return BlockModel(
+        OrderedDict(
+            conv1=nn.Sequential(nn.Conv2d(1, 10, kernel_size=5), nn.MaxPool2d(2), nn.ReLU()),
+            conv2=nn.Sequential(nn.Conv2d(10, 20, kernel_size=5), nn.MaxPool2d(2), nn.ReLU()),
+            fc1=nn.Sequential(nn.Flatten(), nn.Linear(320, 50), nn.ReLU()),
+            fc2=nn.Linear(50, num_classes),
+        )
+    )
+
+
+def resnet18(num_classes: int = 10, in_channels: int = 3) -> BlockModel:
+    """torchvision's ResNet-18 adapted to 32×32 inputs: a 3×3 stride-1 stem and no max-pool (the
+    ImageNet stem would shrink CIFAR images to 8×8 before the first residual stage)."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    net = tv_resnet18(num_classes=num_classes)
+    net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    return BlockModel(
+        OrderedDict(
+            stem=nn.Sequential(net.conv1, net.bn1, net.relu),
+            layer1=net.layer1,
+            layer2=net.layer2,
+            layer3=net.layer3,
+            layer4=net.layer4,
+            head=nn.Sequential(net.avgpool, nn.Flatten(), net.fc),
+        )
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    block_size: int
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        # Not tied to the token embedding: tying would make the first and last block share a
+        # parameter, which a pipeline split across devices cannot express.
+        self.out = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def gpt(cfg: GPTConfig) -> BlockModel:
+    """A small decoder-only transformer (nanoGPT's shape: pre-LN blocks, GELU MLP, no dropout)."""
+    blocks: OrderedDict[str, nn.Module] = OrderedDict(embed=Embedding(cfg))
+    for i in range(cfg.n_layer):
+        blocks[f"block{i}"] = TransformerBlock(cfg)
+    blocks["head"] = Head(cfg)
+    model = BlockModel(blocks)
+    for name, p in model.named_parameters():  # GPT-2 init; residual projections scaled by depth
+        if name.endswith(("qkv.weight", "mlp.0.weight", "out.weight")) or "embed" in name:
+            nn.init.normal_(p, std=0.02)
+        elif name.endswith(("proj.weight", "mlp.2.weight")):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+    return model
+
+
+def build_model(name: str, info: DatasetInfo) -> BlockModel:
+    """The model for a dataset. Call after seeding: every impl must start from the same parameters."""
+    if name == "lenet":
+        if info.input_shape != (1, 28, 28):
+            raise ValueError(f"lenet takes 1×28×28 images, {info.name} has {info.input_shape}")
+        return lenet(info.num_classes)
+    if name == "resnet18":
+        return resnet18(info.num_classes, in_channels=info.input_shape[0])
+    if name == "gpt":
+        if info.kind != "sequence":
+            raise ValueError(f"gpt takes token sequences, {info.name} holds images")
+        return gpt(GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0]))
+    raise ValueError(f"unknown model {name}")

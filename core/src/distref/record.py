@@ -1,0 +1,202 @@
+"""The run record: what a run measured, in a versioned schema (record.schema.json beside this file).
+
+Rank 0 owns the record. Steps stream to `steps.jsonl` as they are flushed; `record.json` is written
+atomically at the end (and on failure, with status "failed" and the error). A resumed run restores the
+record's state from the checkpoint, so the final record covers the whole run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distref.config import RunConfig
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: max allocated by torch on GPU, max resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def environment(device: torch.device, backend: str) -> dict[str, Any]:
+    return {
+        "git_sha": git_sha(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "backend": backend,
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count() or 1,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+class RunRecord:
+    """Collects a run's measurements; `write()` produces record.json. Only rank 0 keeps one."""
+
+    def __init__(
+        self,
+        impl: str,
+        version: str,
+        cfg: RunConfig,
+        world_size: int,
+        device: torch.device,
+        backend: str,
+    ):
+        self.out = Path(cfg.out) if cfg.out else None
+        self.data: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "status": "failed",  # until finish() says otherwise
+            "error": None,
+            "impl": {"name": impl, "version": version},
+            "environment": environment(device, backend),
+            "world_size": world_size,
+            "config": cfg.to_dict(),
+            "steps": [],
+            "evals": [],
+            "samples_per_s": None,
+            "peak_memory_bytes": [],
+            "target_accuracy": cfg.target_accuracy,
+            "time_to_target_s": None,
+            "final_accuracy": None,
+            "wall_time_s": 0.0,
+            "started_at": _now(),
+            "finished_at": None,
+        }
+        self._elapsed_before = 0.0  # seconds spent in earlier sessions of a resumed run
+        self._session_start = time.perf_counter()
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+
+    # -- time ---------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return self._elapsed_before + time.perf_counter() - self._session_start
+
+    # -- measurements -------------------------------------------------------------------------------
+    def add_steps(self, first_step: int, losses: list[float], step_times: list[float]) -> None:
+        rows = [
+            {"step": first_step + i, "loss": loss, "step_time_s": t}
+            for i, (loss, t) in enumerate(zip(losses, step_times, strict=True))
+        ]
+        self.data["steps"].extend(rows)
+        if self.out:
+            with open(self.out / "steps.jsonl", "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def add_eval(self, step: int, epoch: float, accuracy: float, loss: float) -> None:
+        elapsed = self.elapsed()
+        self.data["evals"].append(
+            {"step": step, "epoch": epoch, "elapsed_s": elapsed, "accuracy": accuracy, "loss": loss}
+        )
+        self.data["final_accuracy"] = accuracy
+        target = self.data["target_accuracy"]
+        if target is not None and self.data["time_to_target_s"] is None and accuracy >= target:
+            self.data["time_to_target_s"] = elapsed
+
+    def finish(self, global_batch_size: int, peak_memory_per_rank: list[int]) -> None:
+        steps = self.data["steps"]
+        timed = [row["step_time_s"] for row in steps[1:]]  # step 0 pays for warm-up (allocations, caches)
+        if timed and sum(timed) > 0:
+            self.data["samples_per_s"] = global_batch_size * len(timed) / sum(timed)
+        self.data["peak_memory_bytes"] = [int(m) for m in peak_memory_per_rank]
+        self.data["status"] = "completed"
+        self.write()
+
+    def fail(self, error: str) -> None:
+        self.data["status"] = "failed"
+        self.data["error"] = error
+        self.write()
+
+    def write(self) -> Path | None:
+        self.data["wall_time_s"] = self.elapsed()
+        self.data["finished_at"] = _now()
+        if not self.out:
+            return None
+        path = self.out / "record.json"
+        tmp = path.with_name(f".record.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    # -- resume -------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run's record covers the whole run."""
+        return {
+            "steps": list(self.data["steps"]),
+            "evals": list(self.data["evals"]),
+            "time_to_target_s": self.data["time_to_target_s"],
+            "final_accuracy": self.data["final_accuracy"],
+            "elapsed_s": self.elapsed(),
+            "started_at": self.data["started_at"],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for key in ("steps", "evals", "time_to_target_s", "final_accuracy", "started_at"):
+            self.data[key] = state[key]
+        self._elapsed_before = float(state["elapsed_s"])
+        self._session_start = time.perf_counter()
+        if self.out:  # steps logged after the checkpoint by the interrupted session are dropped
+            with open(self.out / "steps.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in self.data["steps"])
+
+
+def load_record(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "record.json"
+    data = json.loads(path.read_text())
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: record schema {data.get('schema_version')}, this distref reads {SCHEMA_VERSION}"
+        )
+    return data
+
+
+def print_summary(data: dict[str, Any], file=sys.stdout) -> None:
+    """One line for the console at the end of a run."""
+    acc, sps, ttt = data["final_accuracy"], data["samples_per_s"], data["time_to_target_s"]
+    parts = [
+        f"{data['impl']['name']} {data['impl']['version']}: {data['status']}",
+        f"accuracy {acc:.4f}" if acc is not None else "accuracy n/a",
+        f"{sps:,.0f} samples/s" if sps else "samples/s n/a",
+        f"peak mem {max(data['peak_memory_bytes'] or [0]) / 2**20:,.0f} MiB/rank",
+        f"wall {data['wall_time_s']:.1f}s",
+    ]
+    if data["target_accuracy"] is not None:
+        reached = f"at {ttt:.1f}s" if ttt is not None else "not reached"
+        parts.append(f"target {data['target_accuracy']} {reached}")
+    print(" | ".join(parts), file=file)

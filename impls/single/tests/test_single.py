@@ -1,0 +1,140 @@
+"""impls/single: convergence on real data, and the features every impl shares."""
+
+import torch
+
+from conftest import max_relative_difference
+
+SYNTH = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.05", "--steps", "20"]
+
+
+def test_lenet_reaches_98_5_percent_on_real_mnist_in_2_epochs(single_train, mnist_root, tmp_path):
+    record = single_train.main(
+        [
+            "--model",
+            "lenet",
+            "--dataset",
+            "mnist",
+            "--data-root",
+            str(mnist_root),
+            "--epochs",
+            "2",
+            "--global-batch-size",
+            "64",
+            "--lr",
+            "1e-3",
+            "--optimizer",
+            "adamw",
+            "--target-accuracy",
+            "0.985",
+            "--log-every",
+            "100",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert record["final_accuracy"] >= 0.985, record["evals"]
+    assert record["time_to_target_s"] is not None
+    assert [e["step"] for e in record["evals"]] == [937, 1874]  # once per epoch
+
+
+def test_gpt_learns_the_reverse_task(single_train):
+    record = single_train.main(
+        [
+            "--model",
+            "gpt",
+            "--dataset",
+            "synthetic",
+            "--steps",
+            "100",
+            "--lr",
+            "3e-3",
+            "--eval-every",
+            "10",
+            "--target-accuracy",
+            "0.99",
+        ]
+    )
+    assert record["evals"][0]["accuracy"] < 0.5  # near chance (0.1) after 10 steps: the task is not trivial
+    assert record["final_accuracy"] >= 0.99
+
+
+def test_grad_accumulation_equals_one_big_batch(single_train, tmp_path):
+    for accum in (1, 4):
+        single_train.main(
+            [
+                *SYNTH,
+                "--global-batch-size",
+                "32",
+                "--grad-accum",
+                str(accum),
+                "--save-final",
+                str(tmp_path / f"accum{accum}.pt"),
+            ]
+        )
+    a1, a4 = (torch.load(tmp_path / f"accum{k}.pt", weights_only=True) for k in (1, 4))
+    assert max_relative_difference(a4, a1) < 1e-5
+
+
+def test_activation_checkpointing_gives_the_same_parameters(single_train, tmp_path):
+    for flag, name in (([], "plain"), (["--activation-checkpointing"], "ckpt")):
+        single_train.main(
+            [
+                *SYNTH,
+                "--model",
+                "gpt",
+                "--optimizer",
+                "adamw",
+                "--lr",
+                "1e-3",
+                "--global-batch-size",
+                "16",
+                "--save-final",
+                str(tmp_path / f"{name}.pt"),
+                *flag,
+            ]
+        )
+    plain, ckpt = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("plain", "ckpt"))
+    assert max_relative_difference(ckpt, plain) < 1e-5
+
+
+def test_bf16_autocast_trains_on_cpu(single_train, tmp_path):
+    record = single_train.main(
+        [
+            *SYNTH,
+            "--steps",
+            "40",
+            "--precision",
+            "bf16",
+            "--eval-every",
+            "40",
+            "--save-final",
+            str(tmp_path / "bf16.pt"),
+        ]
+    )
+    final = torch.load(tmp_path / "bf16.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in final.values())  # saved in fp32 whatever the precision
+    assert record["final_accuracy"] > 0.3  # well above chance (0.1)
+
+
+def test_profile_and_tensorboard_write_their_files(single_train, tmp_path):
+    single_train.main([*SYNTH, "--steps", "8", "--profile", "--tensorboard", "--out", str(tmp_path)])
+    traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
+    assert traces and traces[0].stat().st_size > 1000
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_data_loader_workers_do_not_change_the_result(single_train, tmp_path):
+    for workers in (0, 2):
+        single_train.main(
+            [
+                *SYNTH,
+                "--global-batch-size",
+                "32",
+                "--num-workers",
+                str(workers),
+                "--save-final",
+                str(tmp_path / f"w{workers}.pt"),
+            ]
+        )
+    w0, w2 = (torch.load(tmp_path / f"w{k}.pt", weights_only=True) for k in (0, 2))
+    assert max_relative_difference(w2, w0) == 0.0

@@ -1,0 +1,85 @@
+"""Sessions: `<impl>-cpu` (gloo), `<impl>-gpu` (NCCL), `lint`, `tests`.
+
+Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
+unpinned. `nox -s single-cpu -- --epochs 1` passes arguments through to train.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = os.environ.get("DISTREF_CONSTRAINTS", str(ROOT / "ci" / "constraints.txt"))
+DATA_ROOT = os.environ.get("DISTREF_DATA", str(ROOT / "data"))
+IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
+# What `nox -s <impl>-cpu` trains unless told otherwise: lenet on real MNIST, to the README's target.
+DEFAULT_RUN = ["--model", "lenet", "--dataset", "mnist", "--epochs", "2", "--target-accuracy", "0.985"]
+TEST_DEPS = ["pytest", "hypothesis", "jsonschema", "scikit-learn", "tensorboard", "matplotlib"]
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_venv = "yes"
+
+
+def install_core(session: nox.Session, *extra: str) -> None:
+    """torch + torchvision pinned, the core package editable, and torchvision made loadable."""
+    session.install("-c", CONSTRAINTS, "torch", "torchvision", "-e", f"{ROOT / 'core'}", *extra)
+    # PyPI's torchvision is a CUDA build; on CPU torch it needs the shim (a no-op where it loads).
+    session.run("python", str(ROOT / "ci" / "torchvision_cpu_shim.py"))
+
+
+def impl_launcher(impl: str) -> str:
+    with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
+        return tomllib.load(f).get("tool", {}).get("distref", {}).get("launcher", "python")
+
+
+def cuda_device_count(session: nox.Session) -> int:
+    return int(session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True))
+
+
+def run_impl(session: nox.Session, impl: str, device: str) -> None:
+    install_core(session, "tqdm", "tensorboard", "scikit-learn")
+    gpus = cuda_device_count(session)
+    if device == "cuda" and gpus == 0:
+        session.skip(f"{impl}-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = ROOT / "runs" / f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}" / stamp
+    args = [*DEFAULT_RUN, "--data-root", DATA_ROOT, "--device", device, "--out", str(out), *session.posargs]
+    train = str(ROOT / "impls" / impl / "train.py")
+    if impl_launcher(impl) == "torchrun":
+        # One process per GPU on CUDA; on CPU 2 ranks (gloo), or $DISTREF_CPU_RANKS.
+        nproc = gpus if device == "cuda" else int(os.environ.get("DISTREF_CPU_RANKS", "2"))
+        session.run("torchrun", "--standalone", f"--nproc-per-node={nproc}", train, *args)
+    else:
+        session.run("python", train, *args)
+    session.log(f"record: {out / 'record.json'}")
+
+
+for _impl in IMPLS:
+    for _device, _suffix in (("cpu", "cpu"), ("cuda", "gpu")):
+
+        def _session(session: nox.Session, impl: str = _impl, device: str = _device) -> None:
+            run_impl(session, impl, device)
+
+        _session.__doc__ = f"Train impls/{_impl} on {'CPU (gloo)' if _device == 'cpu' else 'CUDA (NCCL)'}."
+        nox.session(name=f"{_impl}-{_suffix}")(_session)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check."""
+    session.install("-c", CONSTRAINTS, "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite, on CPU (GPU tests skip with their reason)."""
+    install_core(session, *TEST_DEPS)
+    session.env["DISTREF_DATA"] = DATA_ROOT
+    session.run("pytest", *session.posargs)
