@@ -13,11 +13,19 @@ import torch
 
 ROOT = Path(__file__).parent
 DATA_ROOT = Path(os.environ.get("DISTREF_DATA", ROOT / "data"))
+EXPORTED_IMPL = None  # distref.export sets this in the conftest.py of an exported project
+
+
+def train_path(impl: str) -> Path:
+    """impls/<impl>/train.py here; in an exported project, ./train.py or baseline/<impl>/train.py."""
+    if EXPORTED_IMPL is None:
+        return ROOT / "impls" / impl / "train.py"
+    return ROOT / "train.py" if impl == EXPORTED_IMPL else ROOT / "baseline" / impl / "train.py"
 
 
 def load_train_module(impl: str):
-    """Import impls/<impl>/train.py as a module (train.py files are scripts, not an importable package)."""
-    path = ROOT / "impls" / impl / "train.py"
+    """Import an impl's train.py as a module (train.py files are scripts, not an importable package)."""
+    path = train_path(impl)
     spec = importlib.util.spec_from_file_location(f"distref_impl_{impl}_train", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -32,7 +40,7 @@ def run_script(args: list[str], env: dict | None = None, timeout: float = 300, c
 
 def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return run_script([*cmd, str(ROOT / "impls" / impl / "train.py"), *args], **kwargs)
+    return run_script([*cmd, str(train_path(impl)), *args], **kwargs)
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

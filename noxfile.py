@@ -69,6 +69,55 @@ for _impl in IMPLS:
         nox.session(name=f"{_impl}-{_suffix}")(_session)
 
 
+for _impl in IMPLS:
+    if (ROOT / "impls" / _impl / "benchmark.py").exists():
+
+        def _bench(session: nox.Session, impl: str = _impl) -> None:
+            install_core(session, "tqdm")
+            session.env.setdefault("DISTREF_DATA", DATA_ROOT)
+            session.run("python", str(ROOT / "impls" / impl / "benchmark.py"), *session.posargs)
+
+        _bench.__doc__ = f"Benchmark impls/{_impl} (prints a table; see impls/{_impl}/benchmark.py)."
+        nox.session(name=f"{_impl}-bench")(_bench)
+
+
+def _compare(session: nox.Session, device: str) -> None:
+    install_core(session, "tqdm", "matplotlib", "scikit-learn")
+    if device == "cuda" and cuda_device_count(session) == 0:
+        session.skip("compare-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
+    session.run(
+        "python",
+        "-m",
+        "distref.compare",
+        "--impls-dir",
+        str(ROOT / "impls"),
+        "--data-root",
+        DATA_ROOT,
+        "--device",
+        device,
+        *session.posargs,
+    )
+
+
+@nox.session
+def compare(session: nox.Session) -> None:
+    """Every impl on the same workload (CPU, gloo), then the report. `-- --impls ddp --model gpt ...`"""
+    _compare(session, "cpu")
+
+
+@nox.session(name="compare-gpu")
+def compare_gpu(session: nox.Session) -> None:
+    """Every impl on the same workload on CUDA (NCCL), then the report; skips without CUDA."""
+    _compare(session, "cuda")
+
+
+@nox.session
+def export(session: nox.Session) -> None:
+    """Copy one reference into a standalone project: `nox -s export -- ddp ~/src/my-trainer`."""
+    install_core(session)
+    session.run("python", "-m", "distref.export", *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check + ruff format --check."""

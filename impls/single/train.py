@@ -32,6 +32,7 @@ from distref.training import (
     evaluate,
     loss_fn,
     make_grad_scaler,
+    make_lr_schedule,
     make_optimizer,
     pick_device,
     seed_everything,
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps)
     epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
     record = RunRecord(IMPL, VERSION, cfg, world_size=1, device=device, backend="none")
 
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
+        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         record.load_state(state["record"])
         start_step = state["step"]
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                     step_loss += loss.detach() / cfg.grad_accum
                 scaler.step(optimizer)
                 scaler.update()
+                scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 synchronize(device)
                 pending_times.append(time.perf_counter() - t0)
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "model": model.state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "scaler": scaler.state_dict(),
+                        "scheduler": scheduler.state_dict(),
                         "step": done,
                         "rng": torch.get_rng_state(),
                         "record": record.state(),

@@ -20,7 +20,7 @@ from distref.config import RunConfig
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
 # Options that fix the model, the data order or the optimizer: a checkpoint cannot resume a run that
 # differs in any of them.
-MUST_MATCH = ("model", "dataset", "global_batch_size", "seed", "optimizer", "precision")
+MUST_MATCH = ("model", "dataset", "global_batch_size", "seed", "optimizer", "lr_schedule", "precision")
 
 
 class CheckpointError(RuntimeError):

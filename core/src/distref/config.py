@@ -36,8 +36,9 @@ class RunConfig:
     epochs: int | None = None
     steps: int | None = None
     global_batch_size: int = 64
-    lr: float = 1e-3
+    lr: float = 2e-3
     optimizer: str = "adamw"
+    lr_schedule: str = "cosine"
     weight_decay: float = 0.0
     seed: int = 0
     precision: str = "fp32"
@@ -62,11 +63,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints the whole usage block before an error; we print one line, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        # Under torchrun every rank parses the same arguments: rank 0 alone says what is wrong.
+        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
 def _positive_int(text: str) -> int:
@@ -98,7 +100,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser(impl: str, add_options: Callable[[argparse.ArgumentParser], None] | None = None):
-    parser = _OneLineErrorParser(prog=f"{impl}/train.py", description=f"distref: {impl}")
+    parser = OneLineErrorParser(prog=f"{impl}/train.py", description=f"distref: {impl}")
     p = parser.add_argument
     p("--model", choices=MODELS, default="lenet")
     p("--dataset", choices=DATASETS, default="mnist")
@@ -116,8 +118,14 @@ def build_parser(impl: str, add_options: Callable[[argparse.ArgumentParser], Non
         default=64,
         help="samples per optimizer step, any world size",
     )
-    p("--lr", type=_positive_float, default=1e-3)
+    p("--lr", type=_positive_float, default=2e-3)
     p("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    p(
+        "--lr-schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="cosine: from --lr to 0 over the run",
+    )
     p("--weight-decay", type=float, default=0.0)
     p("--seed", type=int, default=0)
     p("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
@@ -151,8 +159,9 @@ def parse_config(
     impl: str,
     add_options: Callable[[argparse.ArgumentParser], None] | None = None,
     world_size: int = 1,
+    check: Callable[[RunConfig, int], str | None] | None = None,
 ) -> RunConfig:
-    """Parse and validate; on bad input print one line and exit with code 2."""
+    """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2."""
     parser = build_parser(impl, add_options)
     ns = vars(parser.parse_args(argv))
     core_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"extra"}
@@ -161,10 +170,17 @@ def parse_config(
     cfg = RunConfig(**core, extra=extra)
     if cfg.epochs is None and cfg.steps is None:
         cfg = dataclasses.replace(cfg, epochs=1)
-    problem = validate(cfg, world_size)
+    problem = validate(cfg, world_size) or (check(cfg, world_size) if check else None)
     if problem:
         parser.error(problem)
     return cfg
+
+
+def uses_cuda(cfg: RunConfig) -> bool:
+    """Whether the run will train on CUDA (--device cuda, or auto with a GPU present)."""
+    import torch
+
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
@@ -182,10 +198,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
         )
     if cfg.dataset == "text" and not Path(cfg.data_root).is_file():
         return f"--dataset text needs --data-root to be a text file; {cfg.data_root!r} is not a file"
-    wants_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this torch build"
-    if cfg.precision == "fp16" and not wants_cuda:
+    if cfg.precision == "fp16" and not uses_cuda(cfg):
         return "--precision fp16 needs CUDA (GradScaler); on CPU use --precision bf16"
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         return "--checkpoint-every needs --checkpoint-dir"

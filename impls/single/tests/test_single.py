@@ -4,7 +4,9 @@ import torch
 
 from conftest import max_relative_difference
 
-SYNTH = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.05", "--steps", "20"]
+# lr 0.01: at 0.05 this synthetic workload amplifies fp32 rounding (sums in another order) to ~1e-4 in
+# 20 steps, above the parity tolerance (see impls/ddp/tests/test_ddp.py WORKLOADS).
+SYNTH = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01", "--steps", "20"]
 
 
 def test_lenet_reaches_98_5_percent_on_real_mnist_in_2_epochs(single_train, mnist_root, tmp_path):
@@ -21,7 +23,7 @@ def test_lenet_reaches_98_5_percent_on_real_mnist_in_2_epochs(single_train, mnis
             "--global-batch-size",
             "64",
             "--lr",
-            "1e-3",
+            "2e-3",
             "--optimizer",
             "adamw",
             "--target-accuracy",

@@ -1,0 +1,165 @@
+"""Run every impl on the same workload, then build the comparison report.
+
+    python -m distref.compare                                   # lenet, real MNIST, 1 epoch, world 2
+    python -m distref.compare --impls single,ddp --model gpt --dataset synthetic --steps 300 --world-size 4
+    nox -s compare -- --impls ddp,dataparallel
+
+Options other than --impls, --world-size, --out, --impls-dir and --allow-failures are core run options
+(see README), given to every impl. Every impl's arguments are validated before anything is started; each
+run gets --out <dir>/<impl> and --save-final <dir>/<impl>/final.pt (for the parity table). Every process
+uses one thread, so that throughput compares like with like (scaling efficiency = samples/s / (world ×
+single's samples/s)). A run that fails appears in the report with its error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+from distref.config import OneLineErrorParser, RunConfig, parse_config
+
+DEFAULT_WORKLOAD = {
+    "--model": "lenet",
+    "--dataset": "mnist",
+    "--epochs": "1",
+    "--global-batch-size": "64",
+    "--optimizer": "adamw",
+    "--lr": "2e-3",
+    "--target-accuracy": "0.97",
+    "--log-every": "50",
+}
+
+
+def with_defaults(run_args: list[str]) -> list[str]:
+    """DEFAULT_WORKLOAD for every option the user did not give (--steps replaces the default --epochs)."""
+    given = {arg.split("=")[0] for arg in run_args if arg.startswith("--")}
+    if "--steps" in given:
+        given.add("--epochs")
+    defaults = [
+        item for option, value in DEFAULT_WORKLOAD.items() if option not in given for item in (option, value)
+    ]
+    return [*defaults, *run_args]
+
+
+def discover(impls_dir: Path) -> dict[str, dict]:
+    """impl name -> its [tool.distref] settings, for every impls/<name>/train.py."""
+    found = {}
+    for train in sorted(impls_dir.glob("*/train.py")):
+        with open(train.parent / "pyproject.toml", "rb") as f:
+            settings = tomllib.load(f).get("tool", {}).get("distref", {})
+        found[train.parent.name] = {"train": train, "launcher": settings.get("launcher", "python")}
+    return found
+
+
+def validate(impl: str, train: Path, args: list[str], world_size: int) -> RunConfig:
+    """Parse `args` as the impl's train.py would (its own options and checks included); exit 2 if bad."""
+    spec = importlib.util.spec_from_file_location(f"distref_compare_{impl}", train)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return parse_config(
+        args, impl, getattr(module, "add_options", None), world_size, getattr(module, "check_options", None)
+    )
+
+
+def _tee(stream, *sinks) -> None:
+    """Copy a child's output to the console and its log, bytes as they come (progress bars included)."""
+    for chunk in iter(lambda: stream.read1(4096), b""):
+        for sink in sinks:
+            sink.write(chunk)
+            sink.flush()
+
+
+def run_one(command: list[str], log_path: Path) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        copier = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, log))
+        copier.start()
+        code = proc.wait()
+        copier.join()
+    return code
+
+
+def failure_reason(log_path: Path, code: int) -> str:
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return f"exit code {code}: " + (errors[-1] if errors else (lines[-1] if lines else "no output"))[:300]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineErrorParser(prog="python -m distref.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--impls", help="comma-separated impls (default: every impls/*/train.py)")
+    parser.add_argument("--world-size", type=int, default=2, help="processes for impls launched by torchrun")
+    parser.add_argument("--out", help="directory for the runs and the report (default runs/compare/<time>)")
+    parser.add_argument("--impls-dir", default="impls")
+    args, run_args = parser.parse_known_args(argv)
+
+    available = discover(Path(args.impls_dir))
+    chosen = args.impls.split(",") if args.impls else list(available)
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        parser.error(f"unknown impl(s) {', '.join(unknown)}; available: {', '.join(available)}")
+    if args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    run_args = with_defaults(run_args)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or Path("runs") / "compare" / stamp)
+
+    # Validate everything before starting anything: a typo fails in a second, not after the first impl.
+    plans = []
+    for impl in chosen:
+        info = available[impl]
+        world = args.world_size if info["launcher"] == "torchrun" else 1
+        run_dir = out / impl
+        full_args = [*run_args, "--out", str(run_dir), "--save-final", str(run_dir / "final.pt")]
+        cfg = validate(impl, info["train"], full_args, world)
+        if info["launcher"] == "torchrun":
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+            ]
+        else:
+            command = [sys.executable]
+        plans.append((impl, world, cfg, run_dir, [*command, str(info["train"]), *full_args]))
+
+    started = time.perf_counter()
+    for i, (impl, world, cfg, run_dir, command) in enumerate(plans, 1):
+        print(
+            f"\n[{i}/{len(plans)}] {impl} (world {world}) — {time.perf_counter() - started:.0f}s elapsed",
+            flush=True,
+        )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        code = run_one(command, run_dir / "log.txt")
+        status = "completed" if code == 0 else "FAILED"
+        print(f"[{i}/{len(plans)}] {impl}: {status} in {time.perf_counter() - t0:.0f}s", flush=True)
+        if code != 0 and not (run_dir / "record.json").exists():
+            # The run died before writing its record (torchrun failure, crash at start-up): say so.
+            import torch
+
+            from distref import impl_version
+            from distref.record import RunRecord
+
+            record = RunRecord(
+                impl, impl_version(available[impl]["train"]), cfg, world, torch.device("cpu"), "n/a"
+            )
+            record.fail(failure_reason(run_dir / "log.txt", code))
+
+    from distref.report import build_report
+
+    report = build_report([run_dir for _, _, _, run_dir, _ in plans], out)
+    print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Copy one reference into a new, standalone project.
+
+    python -m distref.export ddp ~/src/my-trainer          (or: nox -s export -- ddp ~/src/my-trainer)
+
+DEST receives the impl's train.py, README.md, CHANGELOG.md and tests, and the core modules train.py
+needs (found by following its imports), **vendored** as the package `distref_<impl>` with the imports
+rewritten to it — so DEST runs without this repo, and never clashes with an installed distref. The tests
+come with their fixtures (conftest.py) and, as the parity oracle, impls/single/train.py under
+`baseline/single/`. Versions are stamped in DEST/pyproject.toml and `distref_<impl>.EXPORTED_FROM`.
+
+DEST needs only torch to train with `--dataset synthetic`: torchvision, numpy, tqdm, scikit-learn and
+tensorboard are imported only by the datasets, models and options that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import shutil
+import tomllib
+from pathlib import Path
+
+import distref
+from distref.record import git_sha
+
+CORE_DIR = Path(distref.__file__).parent
+REPO = CORE_DIR.parents[2]  # core/src/distref -> repository root
+
+
+def core_modules_needed(sources: list[Path]) -> set[str]:
+    """Names of the distref modules that `sources` import, followed transitively."""
+    needed: set[str] = set()
+    queue = list(sources)
+    while queue:
+        tree = ast.parse(queue.pop().read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "distref":
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if alias.name.split(".")[0] == "distref"]
+            for name in names:
+                module = name.split(".")[1] if "." in name else "__init__"
+                if (CORE_DIR / f"{module}.py").exists() and module not in needed:
+                    needed.add(module)
+                    queue.append(CORE_DIR / f"{module}.py")
+    return needed | {"__init__"}
+
+
+def rewrite_imports(text: str, package: str) -> str:
+    """`from distref.x import y` -> `from <package>.x import y` (and `from distref import`, `import distref`)."""
+    text = re.sub(r"(?m)^(\s*)from distref(\.| import)", rf"\1from {package}\2", text)
+    return re.sub(r"(?m)^(\s*)import distref\b", rf"\1import {package} as distref", text)
+
+
+def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
+    source = impls_dir / impl
+    if not (source / "train.py").exists():
+        available = ", ".join(sorted(p.parent.name for p in impls_dir.glob("*/train.py")))
+        raise SystemExit(f"distref.export: error: no impl {impl!r} (available: {available})")
+    if dest.exists() and any(dest.iterdir()):
+        raise SystemExit(f"distref.export: error: {dest} is not empty; choose a new directory")
+    package = f"distref_{impl}"
+    with open(source / "pyproject.toml", "rb") as f:
+        impl_project = tomllib.load(f)
+    with open(CORE_DIR.parents[1] / "pyproject.toml", "rb") as f:
+        core_version = tomllib.load(f)["project"]["version"]
+    stamp = {
+        "impl": impl,
+        "impl_version": impl_project["project"]["version"],
+        "core_version": core_version,
+        "git_sha": git_sha(),
+    }
+
+    dest.mkdir(parents=True, exist_ok=True)
+    trains = [source / "train.py"] + ([] if impl == "single" else [impls_dir / "single" / "train.py"])
+    # 1. the core modules train.py needs (and the baseline's), vendored under the impl's own package name
+    (dest / package).mkdir()
+    for module in sorted(core_modules_needed(trains)):
+        text = rewrite_imports((CORE_DIR / f"{module}.py").read_text(), package)
+        if module == "__init__":
+            text += f"\nEXPORTED_FROM = {json.dumps(stamp)}\n"
+        (dest / package / f"{module}.py").write_text(text)
+    for data_file in CORE_DIR.glob("*.json"):  # the record schema
+        shutil.copy(data_file, dest / package / data_file.name)
+
+    # 2. the impl itself, and single as the tests' parity oracle
+    for name in ("train.py", "README.md", "CHANGELOG.md"):
+        text = (source / name).read_text()
+        if name == "README.md":
+            text = (
+                f"> Exported from distref: impl `{impl}` {stamp['impl_version']}, core {core_version}, "
+                f"git {stamp['git_sha'] or 'unknown'}.\n\n" + text
+            )
+        (dest / name).write_text(rewrite_imports(text, package) if name.endswith(".py") else text)
+    if impl != "single":
+        baseline = dest / "baseline" / "single"
+        baseline.mkdir(parents=True)
+        (baseline / "train.py").write_text(
+            rewrite_imports((impls_dir / "single" / "train.py").read_text(), package)
+        )
+        shutil.copy(impls_dir / "single" / "pyproject.toml", baseline / "pyproject.toml")
+    tests = dest / "tests"
+    shutil.copytree(source / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
+    for test in tests.rglob("*.py"):
+        test.write_text(rewrite_imports(test.read_text(), package))
+    conftest = rewrite_imports((REPO / "conftest.py").read_text(), package)
+    conftest = conftest.replace("EXPORTED_IMPL = None", f"EXPORTED_IMPL = {impl!r}")
+    (dest / "conftest.py").write_text(conftest)
+
+    # 3. a pyproject that needs nothing from this repo
+    deps = [d for d in impl_project["project"].get("dependencies", []) if not d.startswith("distref")]
+    (dest / "pyproject.toml").write_text(f'''[project]
+name = "{impl_project["project"]["name"]}"
+version = "{stamp["impl_version"]}"
+description = "{impl_project["project"].get("description", "")}"
+requires-python = ">=3.11"
+dependencies = {json.dumps(deps)}
+
+[project.optional-dependencies]
+# torch is the only requirement for --dataset synthetic; the rest serve the datasets/options that use them
+vision = ["torchvision", "numpy"]
+extras = ["tqdm", "tensorboard", "scikit-learn"]
+test = ["pytest", "hypothesis", "torchvision", "numpy", "scikit-learn", "tensorboard", "jsonschema"]
+
+[tool.distref]
+launcher = "{impl_project.get("tool", {}).get("distref", {}).get("launcher", "python")}"
+exported-from = {{ {", ".join(f'{k} = "{v or ""}"' for k, v in stamp.items())} }}
+
+[tool.pytest.ini_options]
+testpaths = ["tests"]
+addopts = "-ra --import-mode=importlib"
+markers = ["slow: trains for real", "gpu: needs CUDA"]
+''')
+    return dest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m distref.export", description=__doc__.splitlines()[0])
+    parser.add_argument("impl")
+    parser.add_argument("dest", type=Path)
+    parser.add_argument("--impls-dir", type=Path, default=REPO / "impls")
+    args = parser.parse_args(argv)
+    dest = export(args.impl, args.dest, args.impls_dir)
+    print(f"exported {args.impl} to {dest}: run `python train.py --dataset synthetic --steps 50` there")
+
+
+if __name__ == "__main__":
+    main()

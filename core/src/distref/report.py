@@ -1,0 +1,355 @@
+"""The comparison report: tables and plots from run records, any impls, any machines.
+
+    python -m distref.report runs/compare/single runs/compare/ddp gpu-box/ddp --out report/
+
+Each RUN_DIR holds a `record.json` (and, for the parity table, the `final.pt` that `--save-final` wrote).
+Writes `report.md`, `report.html` and PNG plots into --out and prints the path of report.md.
+
+Records of different workloads (model, dataset, global batch, ...) are refused: their numbers cannot be
+compared side by side. `--allow-mixed` builds the report anyway, with the differences stated at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from distref.record import load_record
+
+# Options that define the workload: two runs can only be compared if these are equal.
+WORKLOAD_KEYS = (
+    "model",
+    "dataset",
+    "global_batch_size",
+    "seed",
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "precision",
+    "epochs",
+    "steps",
+    "target_accuracy",
+)
+
+
+class Run:
+    """One run directory: its record, its label and (if saved) its final parameters."""
+
+    def __init__(self, path: Path, record: dict[str, Any]):
+        self.path, self.record = path, record
+        self.impl = record["impl"]["name"]
+        self.ok = record["status"] == "completed"
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl} ×{self.record['world_size']}"
+
+    def final_state(self):
+        import torch
+
+        path = self.path / "final.pt"
+        return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[Run]:
+    runs = []
+    for p in paths:
+        path = Path(p)
+        try:
+            runs.append(Run(path, load_record(path)))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"distref.report: error: cannot read a record in {path}: {exc}") from exc
+    return runs
+
+
+def workload_differences(runs: list[Run]) -> list[str]:
+    """One line per workload option on which the runs disagree (empty when comparable)."""
+    lines = []
+    for key in WORKLOAD_KEYS:
+        values = {run.label: run.record["config"].get(key) for run in runs}
+        if len(set(map(repr, values.values()))) > 1:
+            lines.append(f"--{key.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    return lines
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    """max over tensors of ||a - b|| / ||b|| (the parity metric of every impl's tests)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    worst = 0.0
+    for key, ref in b.items():
+        if ref.is_floating_point():
+            denom = ref.float().norm().item() or 1.0
+            worst = max(worst, (a[key].float() - ref.float()).norm().item() / denom)
+    return worst
+
+
+# ---- plots ------------------------------------------------------------------------------------------
+
+
+def _figure(title: str, runs: list[Run]):
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.set_title(title)
+    shas = sorted({(r.record["environment"]["git_sha"] or "no-git")[:10] for r in runs})
+    source = "; ".join(f"{r.label}: {r.path.name}" for r in runs)
+    fig.text(0.01, 0.005, f"runs: {source} | git {', '.join(shas)}", fontsize=6, color="gray")
+    return fig, ax
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def plot_loss(runs: list[Run], out: Path, by: str) -> str:
+    fig, ax = _figure(f"training loss vs {'step' if by == 'step' else 'wall time'}", runs)
+    for run in runs:
+        steps = run.record["steps"]
+        if not steps:
+            continue
+        if by == "step":
+            xs = [s["step"] for s in steps]
+        else:
+            elapsed, xs = 0.0, []
+            for s in steps:
+                elapsed += s["step_time_s"]
+                xs.append(elapsed)
+        ax.plot(xs, [s["loss"] for s in steps], label=run.label, linewidth=1)
+    ax.set_xlabel("optimizer step" if by == "step" else "training time (s, sum of step times)")
+    ax.set_ylabel("loss (mean over ranks)")
+    ax.set_yscale("log")
+    ax.legend()
+    return _save(fig, out / f"loss_vs_{by}.png")
+
+
+def plot_accuracy(runs: list[Run], out: Path) -> str:
+    fig, ax = _figure("test accuracy vs elapsed time", runs)
+    for run in runs:
+        evals = run.record["evals"]
+        ax.plot([e["elapsed_s"] for e in evals], [e["accuracy"] for e in evals], marker="o", label=run.label)
+    targets = {r.record["target_accuracy"] for r in runs} - {None}
+    for target in targets:
+        ax.axhline(target, color="red", linestyle="--", linewidth=1, label=f"target {target}")
+    ax.set_xlabel("elapsed time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.legend()
+    return _save(fig, out / "accuracy_vs_time.png")
+
+
+def plot_bars(runs: list[Run], out: Path, what: str) -> str:
+    import numpy as np
+
+    if what == "throughput":
+        fig, ax = _figure("training throughput", runs)
+        values = [r.record["samples_per_s"] or 0 for r in runs]
+        ax.bar([r.label for r in runs], values, color="tab:blue")
+        ax.set_ylabel("samples/s (all ranks)")
+        name = "throughput.png"
+    elif what == "memory":
+        fig, ax = _figure("peak memory per rank (CPU: max RSS; GPU: max allocated)", runs)
+        per_run = [r.record["peak_memory_bytes"] for r in runs]
+        n_ranks = max(len(p) for p in per_run) or 1
+        width, x = 0.8 / n_ranks, np.arange(len(runs))
+        for rank in range(n_ranks):  # one bar series per rank; runs with fewer ranks leave a gap
+            mib = [p[rank] / 2**20 if rank < len(p) else 0 for p in per_run]
+            ax.bar(x + (rank - (n_ranks - 1) / 2) * width, mib, width, label=f"rank {rank}")
+        ax.set_xticks(x, [r.label for r in runs])
+        ax.set_ylabel("MiB")
+        ax.legend()
+        name = "peak_memory.png"
+    else:  # pipeline bubble
+        fig, ax = _figure("pipeline bubble (idle fraction of each stage)", runs)
+        shown = [r for r in runs if r.record.get("bubble_fraction") is not None]
+        ax.bar([r.label for r in shown], [r.record["bubble_fraction"] for r in shown], color="tab:orange")
+        ax.set_ylabel("fraction of step time idle")
+        name = "pipeline_bubble.png"
+    return _save(fig, out / name)
+
+
+# ---- tables -----------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str = "", none: str = "—") -> str:
+    return none if value is None else format(value, spec)
+
+
+def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
+    baseline = next((r for r in runs if r.impl == "single" and r.ok), None)
+    base_state = baseline.final_state() if baseline else None
+    base_sps = baseline.record["samples_per_s"] if baseline else None
+    parity, speed, target, memory, versions = [], [], [], [], []
+    for run in runs:
+        rec = run.record
+        if not run.ok:
+            parity.append([run.label, "failed"])
+        elif run is baseline:
+            parity.append([run.label, "reference"])
+        else:
+            state = run.final_state()
+            if state is None or base_state is None:
+                parity.append([run.label, "n/a (no final.pt from this run or from single)"])
+            else:
+                parity.append([run.label, f"{max_relative_difference(state, base_state):.1e}"])
+        sps = rec["samples_per_s"]
+        efficiency = sps / (rec["world_size"] * base_sps) if sps and base_sps else None
+        speed.append([run.label, _fmt(sps, ",.0f"), _fmt(efficiency, ".2f"), _fmt(rec["wall_time_s"], ".1f")])
+        reached = rec["time_to_target_s"]
+        target.append(
+            [
+                run.label,
+                _fmt(rec["target_accuracy"]),
+                _fmt(rec["final_accuracy"], ".4f"),
+                _fmt(reached, ".1f", none="not reached" if rec["target_accuracy"] else "—"),
+            ]
+        )
+        peaks = rec["peak_memory_bytes"]
+        memory.append(
+            [
+                run.label,
+                ", ".join(f"{m / 2**20:,.0f}" for m in peaks) or "—",
+                _fmt(max(peaks) / 2**20 if peaks else None, ",.0f"),
+            ]
+        )
+        env = rec["environment"]
+        versions.append(
+            [
+                run.label,
+                rec["impl"]["version"],
+                env["torch"],
+                f"{env['device']} ({env['device_name']})",
+                env["backend"],
+                f"{env['cpu_count']} / {env['gpu_count']}",
+                (env["git_sha"] or "—")[:10],
+                env["hostname"],
+                run.path.name,
+            ]
+        )
+    return {
+        "Parity with single (max relative parameter difference, fp32)": (["run", "max rel. diff"], parity),
+        "Throughput and scaling": (
+            ["run", "samples/s", "scaling efficiency vs single", "wall time (s)"],
+            speed,
+        ),
+        "Time to target accuracy": (["run", "target", "final accuracy", "time to target (s)"], target),
+        "Peak memory (MiB)": (["run", "per rank", "max"], memory),
+        "Versions and environment": (
+            [
+                "run",
+                "impl version",
+                "torch",
+                "device",
+                "backend",
+                "CPUs / GPUs",
+                "git sha",
+                "host",
+                "run dir",
+            ],
+            versions,
+        ),
+    }
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: bool = False) -> Path:
+    runs = load_runs(run_dirs)
+    if not runs:
+        raise SystemExit("distref.report: error: no runs given")
+    differences = workload_differences(runs)
+    if differences and not allow_mixed:
+        raise SystemExit(
+            "distref.report: error: these runs are different workloads and cannot be compared "
+            "side by side (--allow-mixed to report them anyway): " + "; ".join(differences)
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    completed = [r for r in runs if r.ok]
+    plots = {}
+    if completed:
+        plots = {
+            "Loss vs step": plot_loss(completed, out, "step"),
+            "Loss vs wall time": plot_loss(completed, out, "time"),
+            "Test accuracy vs time": plot_accuracy(completed, out),
+            "Throughput": plot_bars(completed, out, "throughput"),
+            "Peak memory per rank": plot_bars(completed, out, "memory"),
+        }
+        if any(r.record.get("bubble_fraction") is not None for r in completed):
+            plots["Pipeline bubble"] = plot_bars(completed, out, "bubble")
+
+    cfg = runs[0].record["config"]
+    length = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg.get('epochs')} epoch(s)"
+    workload = (
+        f"{cfg['model']} on {cfg['dataset']}, {length}, global batch {cfg['global_batch_size']}, "
+        f"{cfg['optimizer']} lr {cfg['lr']}, {cfg['precision']}, seed {cfg['seed']}"
+    )
+    failures = [[r.label, r.record.get("error") or "failed", str(r.path)] for r in runs if not r.ok]
+    table_data = tables(runs)
+
+    md = [f"# distref comparison: {workload}", ""]
+    if differences:
+        md += ["> **These runs are different workloads; compare with care:**", ""]
+        md += [f"> - {d}" for d in differences] + [""]
+    if failures:
+        md += ["## Failed runs", "", _md_table(["run", "error", "run dir"], failures), ""]
+    for title, (header, rows) in table_data.items():
+        md += [f"## {title}", "", _md_table(header, rows), ""]
+    for title, name in plots.items():
+        md += [f"## {title}", "", f"![{title}]({name})", ""]
+    report = out / "report.md"
+    report.write_text("\n".join(md))
+
+    parts = [f"<h1>distref comparison: {html.escape(workload)}</h1>"]
+    if differences:
+        parts.append(
+            "<p><b>These runs are different workloads:</b> " + html.escape("; ".join(differences)) + "</p>"
+        )
+    if failures:
+        parts += ["<h2>Failed runs</h2>", _html_table(["run", "error", "run dir"], failures)]
+    for title, (header, rows) in table_data.items():
+        parts += [f"<h2>{html.escape(title)}</h2>", _html_table(header, rows)]
+    for title, name in plots.items():
+        parts += [f"<h2>{html.escape(title)}</h2>", f'<img src="{name}" alt="{html.escape(title)}">']
+    style = (
+        "body{font-family:sans-serif;max-width:60em;margin:auto}td,th{border:1px solid #ccc;padding:2px 6px}"
+    )
+    (out / "report.html").write_text(
+        f"<!doctype html><meta charset=utf-8><style>{style}</style>" + "".join(parts)
+    )
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m distref.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", help="directories holding record.json (and final.pt)")
+    parser.add_argument("--out", required=True, help="where report.md, report.html and the plots go")
+    parser.add_argument("--allow-mixed", action="store_true", help="report runs of different workloads")
+    args = parser.parse_args(argv)
+    report = build_report(args.run_dirs, args.out, args.allow_mixed)
+    print(f"report: {report}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Versions that cannot drift, and references that run outside this repo."""
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, max_relative_difference, run_script
+from distref import release
+from distref.export import export
+
+IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_impl_is_released_at_its_current_version(impl):
+    assert release.problems(ROOT / "impls" / impl) == []
+
+
+def test_a_change_without_a_version_bump_is_caught(tmp_path):
+    impl = tmp_path / "ddp"
+    shutil.copytree(ROOT / "impls" / "ddp", impl, ignore=shutil.ignore_patterns("__pycache__"))
+    (impl / "README.md").write_text("docs may change freely\n")
+    assert release.problems(impl) == []
+    (impl / "train.py").write_text(
+        (impl / "train.py").read_text().replace("EVAL_BATCH_SIZE = 1000", "EVAL_BATCH_SIZE = 500")
+    )
+    assert any("changed since 0.1.0 was released: bump its version" in p for p in release.problems(impl))
+    with pytest.raises(SystemExit, match=re.escape("still 0.1.0: bump the version")):
+        release.release(impl)
+    pyproject = impl / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.1.1"'))
+    with pytest.raises(SystemExit, match=re.escape("add a `## 0.1.1` entry")):
+        release.release(impl)
+    (impl / "CHANGELOG.md").write_text(
+        "## 0.1.1 — smaller eval batches\n" + (impl / "CHANGELOG.md").read_text()
+    )
+    release.release(impl)
+    assert release.problems(impl) == []
+
+
+# ---- export -----------------------------------------------------------------------------------------
+
+
+def torch_only_python(tmp: Path) -> Path:
+    """A fresh venv that sees torch and its own dependencies, nothing else (no distref, no numpy)."""
+    farm = tmp / "torch-only-site"
+    farm.mkdir()
+    site = Path(torch.__file__).parents[1]
+    todo, seen = ["torch"], set()
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        name = dist.metadata["Name"].lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [re.split(r"[ ;<>=!~\[(]", req)[0] for req in dist.requires or [] if "extra ==" not in req]
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            if (site / top).exists() and not (farm / top).exists():
+                (farm / top).symlink_to(site / top)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    venv_site = next((venv / "lib").glob("python3*/site-packages"))
+    (venv_site / "torch_only.pth").write_text(str(farm) + "\n")
+    return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def fresh_python(tmp_path_factory):
+    python = torch_only_python(tmp_path_factory.mktemp("fresh"))
+    probe = subprocess.run(
+        [
+            str(python),
+            "-s",
+            "-E",
+            "-c",
+            "import torch, importlib.util as u; "
+            "print(torch.__version__, u.find_spec('distref'), u.find_spec('numpy'))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split()[1:] == ["None", "None"]  # no monorepo, no numpy: torch alone
+    return python
+
+
+SYNTHETIC = [
+    "--model",
+    "gpt",
+    "--dataset",
+    "synthetic",
+    "--steps",
+    "6",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--global-batch-size",
+    "16",
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, tmp_path):
+    dest = export(impl, tmp_path / f"my-{impl}")
+    assert not dest.resolve().is_relative_to(ROOT)
+    expected = {
+        "CHANGELOG.md",
+        "README.md",
+        "conftest.py",
+        f"distref_{impl}",
+        "pyproject.toml",
+        "tests",
+        "train.py",
+    }
+    assert expected <= {p.name for p in dest.iterdir()}
+    with open(dest / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["tool"]["distref"]["exported-from"]["impl"] == impl
+    assert "from distref." not in (dest / "train.py").read_text()
+    assert f"impl `{impl}`" in (dest / "README.md").read_text().splitlines()[0]  # version stamped
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if impl == "ddp" else []
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
+    exported = subprocess.run(
+        [
+            str(fresh_python),
+            "-s",
+            "-E",
+            *launcher,
+            "train.py",
+            *SYNTHETIC,
+            "--save-final",
+            str(tmp_path / "exported.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=dest,
+        env=env,
+        timeout=300,
+    )
+    assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
+    in_repo = run_script(
+        [
+            sys.executable,
+            *launcher,
+            str(ROOT / "impls" / impl / "train.py"),
+            *SYNTHETIC,
+            "--save-final",
+            str(tmp_path / "repo.pt"),
+        ],
+        timeout=300,
+    )
+    assert in_repo.returncode == 0, in_repo.stderr[-2000:]
+    result = torch.load(tmp_path / "exported.pt", weights_only=True)
+    assert max_relative_difference(result, torch.load(tmp_path / "repo.pt", weights_only=True)) == 0.0
+
+
+def test_exported_tests_run_there(tmp_path):
+    dest = export("dataparallel", tmp_path / "dp")
+    result = run_script(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "checkpoint_resume or one_line",
+        ],
+        cwd=dest,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 passed" in result.stdout
+
+
+def test_export_refuses_a_non_empty_destination(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="is not empty"):
+        export("ddp", tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "mine"

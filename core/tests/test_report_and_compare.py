@@ -1,0 +1,204 @@
+"""The comparison runner and report: built from small real runs, refusing to mix workloads."""
+
+import json
+import shutil
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script
+from distref.config import RunConfig
+from distref.record import RunRecord, load_record
+from distref.report import build_report
+
+WORKLOAD = [
+    "--model",
+    "lenet",
+    "--dataset",
+    "synthetic",
+    "--steps",
+    "12",
+    "--eval-every",
+    "6",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.01",
+    "--global-batch-size",
+    "32",
+    "--target-accuracy",
+    "0.1",
+]
+PLOTS = ["loss_vs_step.png", "loss_vs_time.png", "accuracy_vs_time.png", "throughput.png", "peak_memory.png"]
+
+
+def assert_valid_png(path: Path) -> None:
+    """PNG signature, then every chunk's CRC, up to IEND; and a non-trivial image size."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    pos, chunks = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"{path}: bad {kind} chunk"
+        chunks.append(kind)
+        pos += 12 + length
+    assert chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 300 and height > 200
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """`python -m distref.compare` on single and ddp (2 ranks), a few steps each."""
+    out = tmp_path_factory.mktemp("compare")
+    result = run_script(
+        [
+            sys.executable,
+            "-m",
+            "distref.compare",
+            "--impls",
+            "single,ddp",
+            "--world-size",
+            "2",
+            "--impls-dir",
+            str(ROOT / "impls"),
+            *WORKLOAD,
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, result.stdout
+
+
+def test_compare_runs_each_impl_and_builds_the_report(compared):
+    out, stdout = compared
+    assert "[1/2] single" in stdout and "[2/2] ddp" in stdout  # progress, per impl and overall
+    assert stdout.strip().splitlines()[-1].endswith(f"report: {out / 'report.md'}")  # the path, at the end
+    report = (out / "report.md").read_text()
+    for plot in PLOTS:
+        assert f"]({plot})" in report
+        assert_valid_png(out / plot)
+    assert "pipeline_bubble.png" not in report  # no pipeline impl ran
+    parity = report.split("## Parity with single")[1].split("##")[0]
+    assert "| single ×1 | reference |" in parity
+    ddp_row = next(line for line in parity.splitlines() if line.startswith("| ddp ×2"))
+    assert float(ddp_row.split("|")[2]) < 1e-5  # parity, computed from the runs' final.pt
+    versions = report.split("## Versions and environment")[1]
+    assert "| ddp ×2 | 0.1.0 |" in versions and "gloo" in versions
+    assert "<table>" in (out / "report.html").read_text()
+
+
+def test_report_is_a_command_of_its_own(compared, tmp_path):
+    out, _ = compared
+    result = run_script(
+        [
+            sys.executable,
+            "-m",
+            "distref.report",
+            str(out / "single"),
+            str(out / "ddp"),
+            "--out",
+            str(tmp_path / "again"),
+        ]
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"report: {tmp_path / 'again' / 'report.md'}"
+    assert (tmp_path / "again" / "throughput.png").exists()
+
+
+def test_different_workloads_are_not_compared_side_by_side(compared, tmp_path):
+    out, _ = compared
+    other = tmp_path / "other"
+    shutil.copytree(out / "ddp", other)
+    record = json.loads((other / "record.json").read_text())
+    record["config"]["global_batch_size"] = 64
+    (other / "record.json").write_text(json.dumps(record))
+    with pytest.raises(
+        SystemExit, match=r"different workloads.*--global-batch-size: single ×1=32, ddp ×2=64"
+    ):
+        build_report([out / "single", other], tmp_path / "refused")
+    assert not (tmp_path / "refused" / "report.md").exists()
+    report = build_report([out / "single", other], tmp_path / "mixed", allow_mixed=True).read_text()
+    assert "These runs are different workloads" in report
+
+
+def test_a_failed_strategy_appears_with_its_error(compared, tmp_path):
+    out, _ = compared
+    failed = tmp_path / "failed"
+    cfg = load_record(out / "ddp")["config"]
+    record = RunRecord(
+        "ddp", "0.1.0", RunConfig(**{**cfg, "out": str(failed)}), 2, torch.device("cpu"), "gloo"
+    )
+    record.fail("RuntimeError: Connection closed by peer")
+    report = build_report([out / "single", failed], tmp_path / "report").read_text()
+    assert "## Failed runs" in report and "Connection closed by peer" in report
+    assert "| ddp ×2 | failed |" in report
+
+
+def test_a_run_that_dies_before_its_record_is_reported(tmp_path):
+    impls = tmp_path / "impls"
+    shutil.copytree(ROOT / "impls" / "single", impls / "single", ignore=shutil.ignore_patterns("tests"))
+    (impls / "crashy").mkdir()
+    (impls / "crashy" / "pyproject.toml").write_text('[project]\nname = "crashy"\nversion = "0.0.1"\n')
+    (impls / "crashy" / "train.py").write_text(
+        "import os, sys\nfrom distref.config import parse_config\n"
+        "if __name__ == '__main__':\n    parse_config(sys.argv[1:], 'crashy')\n"
+        "    print('RuntimeError: simulated crash at start-up', flush=True)\n    os._exit(3)\n"
+    )
+    result = run_script(
+        [
+            sys.executable,
+            "-m",
+            "distref.compare",
+            "--impls-dir",
+            str(impls),
+            *WORKLOAD,
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "exit code 3: RuntimeError: simulated crash at start-up" in report
+
+
+def test_bad_options_fail_before_any_run_starts(tmp_path):
+    result = run_script(
+        [
+            sys.executable,
+            "-m",
+            "distref.compare",
+            "--impls-dir",
+            str(ROOT / "impls"),
+            "--dataset",
+            "synthetic",
+            "--global-batch-size",
+            "7",
+            "--out",
+            str(tmp_path / "x"),
+        ]
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [  # ddp (2 ranks) cannot split 7 samples
+        "ddp/train.py: error: --global-batch-size 7 must be divisible by world size × --grad-accum = 2 × 1 = 2"
+    ]
+    assert not (tmp_path / "x").exists()  # nothing was started
+
+
+def test_unknown_impl_is_one_line(tmp_path):
+    result = run_script(
+        [sys.executable, "-m", "distref.compare", "--impls-dir", str(ROOT / "impls"), "--impls", "ddp,fsdp9"]
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "python -m distref.compare: error: unknown impl(s) fsdp9; available: dataparallel, ddp, single"
+    ]

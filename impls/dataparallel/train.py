@@ -1,0 +1,187 @@
+"""nn.DataParallel: one process drives every visible GPU.
+
+Each step, DataParallel (1) copies the model from GPU 0 to every other GPU, (2) splits the batch along
+dim 0 across them, (3) runs the replicas in threads of this one process, (4) gathers the outputs on
+GPU 0, where the loss is computed; backward sums every replica's gradients back into GPU 0's parameters.
+
+Why DDP is usually preferred (see README for what was measured): the replication in (1) happens every
+step; one Python process runs all replicas, so they contend for the GIL; and GPU 0 holds the gathered
+outputs, the loss and the optimizer, so it needs more memory and does more work than the others. DDP
+keeps one replica per process and moves only gradients.
+
+Without a GPU, or with one, DataParallel has nothing to split across and runs the module as is: the
+impl says so at start-up and trains the same code path.
+
+    python impls/dataparallel/train.py --epochs 2 --out runs/dataparallel
+    nox -s dataparallel-gpu
+
+Changes against impls/single/train.py are marked `# --- DataParallel: ... ---`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from distref import impl_version
+from distref.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    load_checkpoint,
+    resume_path,
+    save_checkpoint,
+)
+from distref.config import fail, parse_config
+from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.models import build_model
+from distref.monitor import profiler, progress_bar, tensorboard_writer
+from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.training import (
+    autocast,
+    configure_cpu_threads,
+    evaluate,
+    loss_fn,
+    make_grad_scaler,
+    make_lr_schedule,
+    make_optimizer,
+    pick_device,
+    seed_everything,
+    synchronize,
+    total_steps,
+    unwrap_state_dict,
+)
+
+IMPL = "dataparallel"
+VERSION = impl_version(__file__)
+EVAL_BATCH_SIZE = 1000
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(argv, IMPL)
+    configure_cpu_threads()
+    device = pick_device(cfg.device)
+
+    # ---- Data and model: the same in every impl -------------------------------------------------
+    try:
+        train_set, test_set, info = load_dataset(cfg)
+    except DataError as exc:
+        fail(str(exc), IMPL)
+    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
+    model = build_model(cfg.model, info).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    # --- DataParallel: replicate across every visible GPU each step; GPU 0 gathers and steps ---
+    gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    if len(gpu_ids) < 2:
+        print(
+            f"{IMPL}: {len(gpu_ids)} GPU(s) visible: DataParallel runs the module as is, without parallelism"
+        )
+    model = nn.DataParallel(model, device_ids=gpu_ids or None)
+    optimizer = make_optimizer(cfg, model.parameters())
+    scaler = make_grad_scaler(cfg, device)
+    n_steps = total_steps(cfg, len(train_set))
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps)
+    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
+    record = RunRecord(IMPL, VERSION, cfg, world_size=1, device=device, backend="none")
+
+    # ---- Resume: model, optimizer, scaler, RNG, record history; the data order follows the step --
+    start_step = 0
+    if (path := resume_path(cfg)) is not None:
+        try:
+            state = load_checkpoint(path, cfg)
+        except CheckpointError as exc:
+            fail(str(exc), IMPL)
+        model.module.load_state_dict(state["model"])  # --- DataParallel: the core model is .module
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        record.load_state(state["record"])
+        start_step = state["step"]
+        print(f"{IMPL}: resumed from {path} at step {start_step}")
+
+    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps))
+    bar = progress_bar(n_steps, start_step, enabled=True, desc=IMPL)
+    tb = tensorboard_writer(cfg, enabled=True)
+    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
+    pending_times: list[float] = []
+
+    try:
+        with profiler(cfg, rank=0) as prof:
+            for step in range(start_step, n_steps):
+                t0 = time.perf_counter()
+                step_loss = torch.zeros((), device=device)
+                for _ in range(cfg.grad_accum):
+                    x, y = next(micro_batches)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    with autocast(cfg, device):
+                        loss = loss_fn(model(x), y)
+                    # Each micro-batch is 1/grad_accum of the global batch: scaling makes the summed
+                    # gradients the mean over the whole global batch, as one big batch would give.
+                    scaler.scale(loss / cfg.grad_accum).backward()
+                    step_loss += loss.detach() / cfg.grad_accum
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                synchronize(device)
+                pending_times.append(time.perf_counter() - t0)
+                pending_losses.append(step_loss)
+                prof.step()
+                bar.update(1)
+
+                done = step + 1
+                is_last = done == n_steps
+                eval_now = is_last or (
+                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
+                )
+                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
+                    losses = torch.stack(pending_losses).tolist()
+                    record.add_steps(done - len(losses), losses, pending_times)
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+                    tb.add_scalar("train/loss", losses[-1], done)
+                    pending_losses, pending_times = [], []
+
+                if eval_now:
+                    loss_sum, correct, count = evaluate(
+                        model, eval_batches(test_set, EVAL_BATCH_SIZE), device, cfg
+                    )
+                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
+                    record.add_eval(done, done / epoch_steps, accuracy, eval_loss)
+                    bar.write(
+                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
+                    )
+                    tb.add_scalar("test/accuracy", accuracy, done)
+
+                if checkpoint_now:
+                    state = {
+                        "model": model.module.state_dict(),  # --- DataParallel: no "module." prefix
+                        "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "step": done,
+                        "rng": torch.get_rng_state(),
+                        "record": record.state(),
+                        "config": cfg.to_dict(),
+                    }
+                    save_checkpoint(checkpoint_path(cfg.checkpoint_dir, done), state)
+    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
+        record.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        bar.close()
+        tb.close()
+
+    if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
+        save_checkpoint(cfg.save_final, unwrap_state_dict(model))
+    # --- DataParallel: peak memory of every GPU it used (GPU 0 carries the gathers, loss and optimizer)
+    peaks = [peak_memory_bytes(torch.device("cuda", i)) for i in gpu_ids] or [peak_memory_bytes(device)]
+    record.finish(cfg.global_batch_size, peaks)
+    print_summary(record.data)
+    return record.data
+
+
+if __name__ == "__main__":
+    main()

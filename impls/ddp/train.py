@@ -1,0 +1,311 @@
+"""DistributedDataParallel (DDP): one process per device, each holding a full replica of the model.
+
+Every rank runs this file (started by torchrun). Each takes its own slice of the global batch, runs
+forward and backward on it, and DDP all-reduces (averages) the gradients during backward, bucket by
+bucket, overlapping communication with the rest of backward. All replicas then take the same optimizer
+step, so they stay identical — and identical to `impls/single` trained on the whole global batch.
+
+    torchrun --standalone --nproc-per-node 2 impls/ddp/train.py --epochs 2 --out runs/ddp   # CPU: gloo
+    torchrun --standalone --nproc-per-node gpu impls/ddp/train.py --device cuda             # one rank per GPU
+    nox -s ddp-cpu / nox -s ddp-gpu
+
+Changes against impls/single/train.py are marked `# --- DDP: ... ---`.
+"""
+
+import argparse
+import contextlib
+import datetime
+import time
+
+import torch
+import torch.distributed as dist  # --- DDP ---
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distref import impl_version
+from distref.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    load_checkpoint,
+    resume_path,
+    save_checkpoint,
+)
+from distref.config import RunConfig, fail, parse_config, uses_cuda
+from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.dist import (
+    all_reduce_mean,
+    destroy_process_group_on_exit,
+    exit_without_interpreter_teardown,
+    restart_safe_store,
+    torchrun_env,
+)
+from distref.models import build_model
+from distref.monitor import profiler, progress_bar, tensorboard_writer
+from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.training import (
+    autocast,
+    configure_cpu_threads,
+    evaluate,
+    loss_fn,
+    make_grad_scaler,
+    make_lr_schedule,
+    make_optimizer,
+    pick_device,
+    seed_everything,
+    synchronize,
+    total_steps,
+    unwrap_state_dict,
+)
+
+IMPL = "ddp"
+VERSION = impl_version(__file__)
+EVAL_BATCH_SIZE = 1000
+
+
+# --- DDP: strategy options, on top of the core run contract ---
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="gradient bucket size: bigger = fewer all-reduces, later overlap (default 25)",
+    )
+    parser.add_argument(
+        "--static-graph",
+        action="store_true",
+        help="promise the same used parameters every step (lets DDP skip per-step checks)",
+    )
+    parser.add_argument(
+        "--grad-as-bucket-view",
+        action="store_true",
+        help="gradients are views into the all-reduce buckets (saves one gradient copy)",
+    )
+    parser.add_argument(
+        "--comm-hook",
+        choices=("none", "fp16", "bf16", "powersgd"),
+        default="none",
+        help="compress gradients before the all-reduce",
+    )
+
+
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    if cfg.extra["comm_hook"] == "powersgd" and not uses_cuda(cfg):
+        # Measured on torch 2.13 + gloo: powerSGD_hook crashes or hangs intermittently once the
+        # gradients span 2+ buckets, and batched_powerSGD_hook always fails. Refuse rather than hang.
+        return "--comm-hook powersgd is not reliable on gloo (CPU); use it with NCCL, or fp16/bf16 on CPU"
+    return None
+
+
+def bf16_average_hook(
+    process_group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:  # DDP checks these annotations, so no `from __future__ import`
+    """Average the bucket in bf16: half the bytes on the wire, fp32's exponent range.
+
+    torch's own `default_hooks.bf16_compress_hook` refuses to run without CUDA/XPU (DDP checks the
+    hook's *name*), although gloo all-reduces bf16 fine; this is the same algorithm, for any backend.
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(process_group.size())
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return work.get_future().then(decompress)
+
+
+def apply_ddp(model: nn.Module, cfg: RunConfig, device: torch.device, rank: int) -> DDP:
+    """Wrap the model in DDP (after it is on its device, before the optimizer is built)."""
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_batchnorm and device.type == "cuda":
+        # Per-rank BatchNorm would normalise with each rank's micro-batch statistics only; SyncBatchNorm
+        # computes them over the whole global batch (one extra all-reduce per BN layer).
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif has_batchnorm and rank == 0:
+        print(
+            f"{IMPL}: SyncBatchNorm needs CUDA in torch {torch.__version__}; on CPU each rank keeps "
+            "its own BatchNorm statistics (parity with single holds only for models without BatchNorm)"
+        )
+    ddp_model = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.extra["bucket_cap_mb"],
+        static_graph=cfg.extra["static_graph"],
+        gradient_as_bucket_view=cfg.extra["grad_as_bucket_view"],
+    )
+    hook = cfg.extra["comm_hook"]
+    if hook == "fp16":
+        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        cuda_hook = default_hooks.bf16_compress_hook
+        ddp_model.register_comm_hook(
+            dist.group.WORLD, cuda_hook if device.type == "cuda" else bf16_average_hook
+        )
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10
+        )
+        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp_model
+
+
+# --- end DDP options ---
+
+
+def main(argv: list[str] | None = None) -> dict:
+    # --- DDP: one process per device, started by torchrun; the process group comes from its env ---
+    rank, world_size, local_rank, local_world_size = torchrun_env(IMPL)
+    cfg = parse_config(argv, IMPL, add_options, world_size=world_size, check=check_options)
+    configure_cpu_threads(local_world_size)  # ranks on one machine share its cores: one thread each
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/dist.py for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    is_main = rank == 0  # rank 0 alone writes the record, checkpoints and the final state_dict
+    # --- end DDP ---
+
+    # ---- Data and model: the same in every impl -------------------------------------------------
+    try:
+        train_set, test_set, info = load_dataset(cfg)
+    except DataError as exc:
+        fail(str(exc), IMPL)
+    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
+    model = build_model(cfg.model, info).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
+    model = apply_ddp(model, cfg, device, rank)
+    optimizer = make_optimizer(cfg, model.parameters())
+    scaler = make_grad_scaler(cfg, device)
+    n_steps = total_steps(cfg, len(train_set))
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps)
+    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
+    record = RunRecord(
+        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
+    )  # --- DDP: every rank keeps the numbers, rank 0 writes them
+
+    # ---- Resume: model, optimizer, scaler, RNG, record history; the data order follows the step --
+    start_step = 0
+    if (path := resume_path(cfg)) is not None:
+        try:
+            state = load_checkpoint(path, cfg)
+        except CheckpointError as exc:
+            fail(str(exc), IMPL)
+        model.module.load_state_dict(state["model"])  # --- DDP: every rank loads rank 0's checkpoint
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        record.load_state(state["record"])
+        start_step = state["step"]
+        if is_main:  # --- DDP: one line, not one per rank
+            print(f"{IMPL}: resumed from {path} at step {start_step}")
+
+    # --- DDP: this rank's slice of every global batch (same order as single, any world size) ---
+    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
+    bar = progress_bar(n_steps, start_step, enabled=is_main, desc=f"{IMPL} ×{world_size}")
+    tb = tensorboard_writer(cfg, enabled=is_main)
+    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
+    pending_times: list[float] = []
+
+    try:
+        with profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
+            for step in range(start_step, n_steps):
+                t0 = time.perf_counter()
+                step_loss = torch.zeros((), device=device)
+                for micro_step in range(cfg.grad_accum):
+                    x, y = next(micro_batches)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    # --- DDP: all-reduce gradients only in the last micro-step's backward; before it,
+                    # no_sync() lets each rank accumulate locally (K-1 fewer all-reduces per step).
+                    # Counted per rank: every rank runs grad_accum micro-steps of B/(world·K) samples.
+                    last_micro_step = micro_step == cfg.grad_accum - 1
+                    with contextlib.nullcontext() if last_micro_step else model.no_sync():
+                        with autocast(cfg, device):
+                            loss = loss_fn(model(x), y)
+                        # Each micro-batch is 1/grad_accum of this rank's share; DDP then averages over
+                        # ranks: together, the mean over the whole global batch, as in single.
+                        scaler.scale(loss / cfg.grad_accum).backward()
+                    step_loss += loss.detach() / cfg.grad_accum
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                synchronize(device)
+                pending_times.append(time.perf_counter() - t0)
+                pending_losses.append(step_loss)
+                prof.step()
+                bar.update(1)
+
+                done = step + 1
+                is_last = done == n_steps
+                eval_now = is_last or (
+                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
+                )
+                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
+                    # --- DDP: average the losses over ranks (one all-reduce for all pending steps), so
+                    # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
+                    losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
+                    record.add_steps(done - len(losses), losses, pending_times)
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+                    tb.add_scalar("train/loss", losses[-1], done)
+                    pending_losses, pending_times = [], []
+
+                if eval_now:
+                    # --- DDP: each rank scores its shard of the test set with the bare module (no DDP
+                    # forward: shards may differ in batch count); sums are all-reduced into global numbers.
+                    batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
+                    totals = evaluate(model.module, batches, device, cfg)
+                    dist.all_reduce(totals)
+                    loss_sum, correct, count = totals
+                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
+                    record.add_eval(done, done / epoch_steps, accuracy, eval_loss)
+                    bar.write(
+                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
+                    )
+                    tb.add_scalar("test/accuracy", accuracy, done)
+
+                if checkpoint_now and is_main:  # --- DDP: replicas are identical; rank 0 saves for all
+                    state = {
+                        "model": model.module.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "step": done,
+                        "rng": torch.get_rng_state(),
+                        "record": record.state(),
+                        "config": cfg.to_dict(),
+                    }
+                    save_checkpoint(checkpoint_path(cfg.checkpoint_dir, done), state)
+    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
+        record.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        bar.close()
+        tb.close()
+
+    # --- DDP: rank 0 saves the full fp32 state_dict of the core model (keys identical for every impl)
+    if cfg.save_final and is_main:
+        save_checkpoint(cfg.save_final, unwrap_state_dict(model))
+    # --- DDP: peak memory of every rank, gathered to rank 0 ---
+    peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(peaks, torch.tensor(peak_memory_bytes(device), device=device))
+    record.finish(cfg.global_batch_size, [int(p) for p in peaks])
+    if is_main:
+        print_summary(record.data)
+    return record.data
+
+
+if __name__ == "__main__":
+    with destroy_process_group_on_exit():  # --- DDP: clean teardown on every exit path
+        main()
+    exit_without_interpreter_teardown()  # --- DDP: gloo threads vs Python's shutdown (distref/dist.py)
