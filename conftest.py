@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# One thread per process, in-process runs included, as every rank has: results then do not depend on the
+# machine's core count, and single sums exactly as one rank does (see the bit-identity test in impls/ddp).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).parent
 DATA_ROOT = Path(os.environ.get("DISTREF_DATA", ROOT / "data"))
 EXPORTED_IMPL = None  # distref.export sets this in the conftest.py of an exported project
@@ -43,6 +47,63 @@ def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
     return run_script([*cmd, str(train_path(impl)), *args], **kwargs)
 
 
+# ---- the proof every impl gives (README): parity with single, and a convergence target --------------
+
+PARITY_TOLERANCE = 1e-5  # max relative difference per tensor, fp32, after PARITY_STEPS steps
+PARITY_STEPS, PARITY_BATCH = 20, 32
+# Summing in another order (2 ranks, or 2 threads, instead of 1) changes fp32 gradients by ~1e-7 per step;
+# a parity workload must not amplify that past the tolerance in 20 steps. lenet on real MNIST and gpt with
+# SGD stay near 1e-7. gpt with AdamW does not (5e-4 between two correct runs: Adam's m/sqrt(v) turns
+# rounding noise in near-zero gradients into full-size steps), nor lenet on the synthetic set at SGD lr
+# 0.05 (8e-5), so they are not used.
+PARITY_WORKLOADS = {
+    "lenet": [
+        "--model",
+        "lenet",
+        "--dataset",
+        "mnist",
+        "--data-root",
+        str(DATA_ROOT),
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "1e-3",
+    ],
+    "gpt": ["--model", "gpt", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.05"],
+}
+MNIST_TARGET = 0.985
+
+
+def parity_args(model: str) -> list[str]:
+    return [*PARITY_WORKLOADS[model], "--steps", str(PARITY_STEPS), "--global-batch-size", str(PARITY_BATCH)]
+
+
+def mnist_convergence_args(data_root: Path) -> list[str]:
+    """lenet on real MNIST, 2 epochs, global batch 64, AdamW 2e-3 with cosine decay: >= 98.5% test accuracy."""
+    return [
+        "--model",
+        "lenet",
+        "--dataset",
+        "mnist",
+        "--data-root",
+        str(data_root),
+        "--epochs",
+        "2",
+        "--global-batch-size",
+        "64",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "2e-3",
+        "--lr-schedule",
+        "cosine",
+        "--target-accuracy",
+        str(MNIST_TARGET),
+        "--log-every",
+        "100",
+    ]
+
+
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """max over tensors of ||a - b|| / ||b||: the parity metric (same keys required)."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
@@ -67,3 +128,20 @@ def mnist_root() -> Path:
 @pytest.fixture(scope="session")
 def single_train():
     return load_train_module("single")
+
+
+@pytest.fixture(scope="session")
+def single_reference(tmp_path_factory, mnist_root, single_train):
+    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches."""
+    cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def reference(model: str, grad_accum: int = 1) -> dict[str, torch.Tensor]:
+        if (model, grad_accum) not in cache:
+            path = tmp_path_factory.mktemp("single") / "final.pt"
+            single_train.main(
+                [*parity_args(model), "--grad-accum", str(grad_accum), "--save-final", str(path)]
+            )
+            cache[model, grad_accum] = torch.load(path, weights_only=True)
+        return cache[model, grad_accum]
+
+    return reference

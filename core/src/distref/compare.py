@@ -33,6 +33,7 @@ DEFAULT_WORKLOAD = {
     "--optimizer": "adamw",
     "--lr": "2e-3",
     "--target-accuracy": "0.97",
+    "--eval-every": "100",
     "--log-every": "50",
 }
 
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     from distref.report import build_report
 
     report = build_report([run_dir for _, _, _, run_dir, _ in plans], out)
-    print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report}")
+    print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report.resolve()}")
 
 
 if __name__ == "__main__":

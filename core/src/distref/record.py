@@ -44,15 +44,24 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def cpu_name() -> str:
+    """The CPU model (Linux /proc/cpuinfo), else what platform knows, else "cpu"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def environment(device: torch.device, backend: str) -> dict[str, Any]:
     return {
         "git_sha": git_sha(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": device.type,
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "backend": backend,
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count() or 1,

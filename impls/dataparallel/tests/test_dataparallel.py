@@ -6,26 +6,17 @@ import sys
 import pytest
 import torch
 
-from conftest import DATA_ROOT, load_train_module, max_relative_difference, run_script, train_path
+from conftest import (
+    PARITY_TOLERANCE,
+    load_train_module,
+    max_relative_difference,
+    mnist_convergence_args,
+    parity_args,
+    run_script,
+    train_path,
+)
 
-TOLERANCE = 1e-5  # max relative difference per tensor, fp32, after 20 steps
 TRAIN = str(train_path("dataparallel"))
-LENET_MNIST = [
-    "--model",
-    "lenet",
-    "--dataset",
-    "mnist",
-    "--data-root",
-    str(DATA_ROOT),
-    "--optimizer",
-    "adamw",
-    "--lr",
-    "1e-3",
-    "--steps",
-    "20",
-    "--global-batch-size",
-    "32",
-]
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +25,13 @@ def dataparallel_train():
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_parity_with_single(grad_accum, dataparallel_train, single_train, mnist_root, tmp_path):
-    args = [*LENET_MNIST, "--grad-accum", str(grad_accum)]
-    single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
-    dataparallel_train.main([*args, "--save-final", str(tmp_path / "dp.pt")])
-    reference = torch.load(tmp_path / "single.pt", weights_only=True)
+def test_parity_with_single(grad_accum, dataparallel_train, single_reference, tmp_path):
+    args = [*parity_args("lenet"), "--grad-accum", str(grad_accum), "--save-final", str(tmp_path / "dp.pt")]
+    dataparallel_train.main(args)
+    reference = single_reference("lenet", grad_accum)
     final = torch.load(tmp_path / "dp.pt", weights_only=True)
     assert list(final) == list(reference)  # no "module." prefix: the core model's own keys
-    assert max_relative_difference(final, reference) < TOLERANCE
+    assert max_relative_difference(final, reference) < PARITY_TOLERANCE
 
 
 def test_says_in_one_line_that_it_does_not_parallelise_without_gpus(tmp_path):
@@ -112,26 +102,7 @@ def test_checkpoint_resume_and_record(dataparallel_train, tmp_path):
 
 @pytest.mark.slow
 def test_lenet_reaches_98_5_percent_on_real_mnist(dataparallel_train, mnist_root):
-    record = dataparallel_train.main(
-        [
-            "--model",
-            "lenet",
-            "--dataset",
-            "mnist",
-            "--data-root",
-            str(mnist_root),
-            "--epochs",
-            "2",
-            "--global-batch-size",
-            "64",
-            "--lr",
-            "2e-3",
-            "--target-accuracy",
-            "0.985",
-            "--log-every",
-            "100",
-        ]
-    )
+    record = dataparallel_train.main(mnist_convergence_args(mnist_root))
     assert record["final_accuracy"] >= 0.985, record["evals"]
     assert record["time_to_target_s"] is not None
 
@@ -139,7 +110,7 @@ def test_lenet_reaches_98_5_percent_on_real_mnist(dataparallel_train, mnist_root
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs to split the batch across")
 def test_parallelises_across_gpus_with_parity(dataparallel_train, single_train, mnist_root, tmp_path):
-    args = [*LENET_MNIST, "--device", "cuda"]
+    args = [*parity_args("lenet"), "--device", "cuda"]
     single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
     record = dataparallel_train.main([*args, "--save-final", str(tmp_path / "dp.pt")])
     assert len(record["peak_memory_bytes"]) == torch.cuda.device_count()  # one figure per GPU used

@@ -14,59 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DATA_ROOT, ROOT, load_train_module, max_relative_difference, torchrun, train_path
+from conftest import (
+    PARITY_TOLERANCE,
+    ROOT,
+    max_relative_difference,
+    mnist_convergence_args,
+    parity_args,
+    torchrun,
+    train_path,
+)
 from distref.checkpoint import latest_checkpoint
 
-TOLERANCE = 1e-5  # max relative difference per tensor, fp32, after 20 steps
 TRAIN = str(train_path("ddp"))
-# Parity workloads. fp32 sums in another order (2 ranks, or 2 threads, instead of 1) differ by ~1e-7 per
-# step; a workload must not amplify that past the tolerance in 20 steps. lenet on real MNIST and gpt
-# with SGD stay near 1e-7. gpt with AdamW does not (5e-4 between two correct runs: Adam's m/sqrt(v) turns
-# rounding noise in near-zero gradients into full-size steps), so gpt parity uses SGD.
-WORKLOADS = {
-    "lenet": [
-        "--model",
-        "lenet",
-        "--dataset",
-        "mnist",
-        "--data-root",
-        str(DATA_ROOT),
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "1e-3",
-    ],
-    "gpt": ["--model", "gpt", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.05"],
-}
 SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]
-
-
-@pytest.fixture(scope="module")
-def single_reference(tmp_path_factory, mnist_root):
-    """impls/single's final parameters for each workload (20 steps, global batch 32)."""
-    single = load_train_module("single")
-    cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-
-    def reference(model: str, grad_accum: int = 1) -> dict[str, torch.Tensor]:
-        if (model, grad_accum) not in cache:
-            path = tmp_path_factory.mktemp("single") / "final.pt"
-            single.main(
-                [
-                    *WORKLOADS[model],
-                    "--steps",
-                    "20",
-                    "--global-batch-size",
-                    "32",
-                    "--grad-accum",
-                    str(grad_accum),
-                    "--save-final",
-                    str(path),
-                ]
-            )
-            cache[model, grad_accum] = torch.load(path, weights_only=True)
-        return cache[model, grad_accum]
-
-    return reference
 
 
 def run_ddp(nproc: int, args: list[str], timeout: float = 300, extra_env: dict | None = None):
@@ -81,10 +41,20 @@ def test_parity_with_single(model, world_size, single_reference, tmp_path):
     final = tmp_path / "final.pt"
     run_ddp(
         world_size,
-        [*WORKLOADS[model], "--steps", "20", "--global-batch-size", "32", "--save-final", str(final)],
+        [*parity_args(model), "--save-final", str(final)],
     )
     diff = max_relative_difference(torch.load(final, weights_only=True), single_reference(model))
-    assert diff < TOLERANCE, f"{model} at world {world_size}: max relative difference {diff:.2e}"
+    assert diff < PARITY_TOLERANCE, f"{model} at world {world_size}: max relative difference {diff:.2e}"
+
+
+def test_two_ranks_are_bit_identical_to_single_with_the_same_split(single_reference, tmp_path):
+    """2 ranks sum the same two half-batch gradients as single with --grad-accum 2, in the same order
+    (the 1/2 scaling is exact in binary): not merely close, equal. (Over long runs that is what tells a
+    bug from rounding: ddp ×2 vs plain single drifts to ~1e-1 in an epoch, ddp ×2 vs single
+    --grad-accum 2 stays exactly 0.)"""
+    final = tmp_path / "final.pt"
+    run_ddp(2, [*parity_args("lenet"), "--save-final", str(final)])
+    assert max_relative_difference(torch.load(final, weights_only=True), single_reference("lenet", 2)) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -101,11 +71,7 @@ def test_parity_with_ddp_options(options, grad_accum, single_reference, tmp_path
     run_ddp(
         2,
         [
-            *WORKLOADS["lenet"],
-            "--steps",
-            "20",
-            "--global-batch-size",
-            "32",
+            *parity_args("lenet"),
             "--grad-accum",
             str(grad_accum),
             *options,
@@ -116,7 +82,7 @@ def test_parity_with_ddp_options(options, grad_accum, single_reference, tmp_path
     diff = max_relative_difference(
         torch.load(final, weights_only=True), single_reference("lenet", grad_accum)
     )
-    assert diff < TOLERANCE, diff
+    assert diff < PARITY_TOLERANCE, diff
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
@@ -125,11 +91,7 @@ def test_compression_hooks_train_close_to_single(hook, single_reference, tmp_pat
     run_ddp(
         2,
         [
-            *WORKLOADS["lenet"],
-            "--steps",
-            "20",
-            "--global-batch-size",
-            "32",
+            *parity_args("lenet"),
             "--comm-hook",
             hook,
             "--save-final",
@@ -178,22 +140,7 @@ def test_lenet_reaches_98_5_percent_on_real_mnist(mnist_root, tmp_path):
     run_ddp(
         2,
         [
-            "--model",
-            "lenet",
-            "--dataset",
-            "mnist",
-            "--data-root",
-            str(mnist_root),
-            "--epochs",
-            "2",
-            "--global-batch-size",
-            "64",
-            "--lr",
-            "2e-3",
-            "--target-accuracy",
-            "0.985",
-            "--log-every",
-            "100",
+            *mnist_convergence_args(mnist_root),
             "--out",
             str(tmp_path),
         ],
@@ -310,11 +257,7 @@ def free_port() -> int:
 def test_two_node_rendezvous_matches_single_node(single_reference, tmp_path):
     port = free_port()
     args = [
-        *WORKLOADS["lenet"],
-        "--steps",
-        "20",
-        "--global-batch-size",
-        "32",
+        *parity_args("lenet"),
         "--save-final",
         str(tmp_path / "f.pt"),
     ]
@@ -346,4 +289,4 @@ def test_two_node_rendezvous_matches_single_node(single_reference, tmp_path):
     diff = max_relative_difference(
         torch.load(tmp_path / "f.pt", weights_only=True), single_reference("lenet")
     )
-    assert diff < TOLERANCE, diff
+    assert diff < PARITY_TOLERANCE, diff

@@ -2,38 +2,15 @@
 
 import torch
 
-from conftest import max_relative_difference
+from conftest import max_relative_difference, mnist_convergence_args
 
 # lr 0.01: at 0.05 this synthetic workload amplifies fp32 rounding (sums in another order) to ~1e-4 in
-# 20 steps, above the parity tolerance (see impls/ddp/tests/test_ddp.py WORKLOADS).
+# 20 steps, above the parity tolerance (see PARITY_WORKLOADS in conftest.py).
 SYNTH = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01", "--steps", "20"]
 
 
 def test_lenet_reaches_98_5_percent_on_real_mnist_in_2_epochs(single_train, mnist_root, tmp_path):
-    record = single_train.main(
-        [
-            "--model",
-            "lenet",
-            "--dataset",
-            "mnist",
-            "--data-root",
-            str(mnist_root),
-            "--epochs",
-            "2",
-            "--global-batch-size",
-            "64",
-            "--lr",
-            "2e-3",
-            "--optimizer",
-            "adamw",
-            "--target-accuracy",
-            "0.985",
-            "--log-every",
-            "100",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    record = single_train.main([*mnist_convergence_args(mnist_root), "--out", str(tmp_path)])
     assert record["final_accuracy"] >= 0.985, record["evals"]
     assert record["time_to_target_s"] is not None
     assert [e["step"] for e in record["evals"]] == [937, 1874]  # once per epoch
