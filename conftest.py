@@ -132,7 +132,8 @@ def single_train():
 
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory, mnist_root, single_train):
-    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches."""
+    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches.
+    (`mnist_root` is requested for its effect: the lenet workload reads real MNIST.)"""
     cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     def reference(model: str, grad_accum: int = 1) -> dict[str, torch.Tensor]:

@@ -194,7 +194,7 @@ def test_bad_options_fail_before_any_run_starts(tmp_path):
     assert not (tmp_path / "x").exists()  # nothing was started
 
 
-def test_unknown_impl_is_one_line(tmp_path):
+def test_unknown_impl_is_one_line():
     result = run_script(
         [sys.executable, "-m", "distref.compare", "--impls-dir", str(ROOT / "impls"), "--impls", "ddp,fsdp9"]
     )
