@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -105,15 +106,70 @@ def mnist_convergence_args(data_root: Path) -> list[str]:
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """max over tensors of ||a - b|| / ||b||: the parity metric (same keys required)."""
+    """max over tensors of ||a - b|| / ||b||: the parity metric. Same keys required; buffers count too,
+    and integer ones (BatchNorm's num_batches_tracked) must be equal (else the result is inf)."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     worst = 0.0
     for key in b:
         if not b[key].is_floating_point():
+            if not torch.equal(a[key], b[key]):
+                return math.inf
             continue
         denom = b[key].float().norm().item() or 1.0
         worst = max(worst, (a[key].float() - b[key].float()).norm().item() / denom)
     return worst
+
+
+def expected_time_to_target(record: dict) -> float | None:
+    """What time_to_target_s must be: the elapsed time of the first eval at or above the target."""
+    target = record["target_accuracy"]
+    reached = [e["elapsed_s"] for e in record["evals"] if e["accuracy"] >= target]
+    return reached[0] if reached else None
+
+
+def score(state_dict_path: Path, args: list[str]) -> float:
+    """Test accuracy of a saved state_dict, scored alone in this process (whole test set, one model):
+    what a record's final_accuracy must equal for the model that --save-final wrote."""
+    from distref.config import parse_config
+    from distref.data import eval_batches, load_dataset
+    from distref.models import build_model
+    from distref.training import evaluate
+
+    cfg = parse_config(args, "score")
+    _, test_set, info = load_dataset(cfg)
+    model = build_model(cfg.model, info)
+    model.load_state_dict(torch.load(state_dict_path, weights_only=True))
+    _, correct, count = evaluate(model, eval_batches(test_set, 1000), torch.device("cpu"), cfg)
+    return (correct / count).item()
+
+
+def count_block_calls(model: torch.nn.Module, calls: dict[str, int] | None = None) -> dict[str, int]:
+    """Count forward calls per block of a BlockModel into `calls`, recomputations in backward included
+    (those bypass forward hooks, so each block's `forward` is wrapped instead)."""
+    calls = {} if calls is None else calls
+    for name, block in model.named_children():
+        calls[name] = 0
+
+        def counted(*args, name=name, forward=block.forward):
+            calls[name] += 1
+            return forward(*args)
+
+        block.forward = counted
+    return calls
+
+
+def counting_block_calls(train_module, monkeypatch) -> dict[str, int]:
+    """Make a train.py module's build_model count its blocks' forward calls; returns the live counts."""
+    calls: dict[str, int] = {}
+    build = train_module.build_model
+
+    def build_and_count(*args):
+        model = build(*args)
+        count_block_calls(model, calls)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build_and_count)
+    return calls
 
 
 @pytest.fixture(scope="session")

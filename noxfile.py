@@ -1,24 +1,30 @@
-"""Sessions: `<impl>-cpu` (gloo), `<impl>-gpu` (NCCL), `lint`, `tests`.
+"""Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `export`, `lint`, `tests`, `mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
-unpinned. `nox -s single-cpu -- --epochs 1` passes arguments through to train.py.
+unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
+session's defaults.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tomllib
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "core" / "src"))  # distref.config needs no torch at import
+from distref.config import with_defaults  # noqa: E402
+
 CONSTRAINTS = os.environ.get("DISTREF_CONSTRAINTS", str(ROOT / "ci" / "constraints.txt"))
 DATA_ROOT = os.environ.get("DISTREF_DATA", str(ROOT / "data"))
 IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
-# What `nox -s <impl>-cpu` trains unless told otherwise: lenet on real MNIST, to the README's target.
-DEFAULT_RUN = ["--model", "lenet", "--dataset", "mnist", "--epochs", "2", "--target-accuracy", "0.985"]
+# What `nox -s <impl>-cpu` trains unless told otherwise (`-- --steps 100` etc. replace these): lenet on
+# real MNIST, to the README's target.
+DEFAULT_RUN = {"--model": "lenet", "--dataset": "mnist", "--epochs": "2", "--target-accuracy": "0.985"}
 TEST_DEPS = ["pytest", "hypothesis", "jsonschema", "scikit-learn", "tensorboard", "matplotlib"]
 
 nox.options.sessions = ["lint", "tests"]
@@ -48,7 +54,14 @@ def run_impl(session: nox.Session, impl: str, device: str) -> None:
         session.skip(f"{impl}-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = ROOT / "runs" / f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}" / stamp
-    args = [*DEFAULT_RUN, "--data-root", DATA_ROOT, "--device", device, "--out", str(out), *session.posargs]
+    defaults = {
+        **DEFAULT_RUN,
+        "--data-root": DATA_ROOT,
+        "--device": device,
+        "--out": str(out),
+        "--save-final": str(out / "final.pt"),  # so that a report from these runs has its parity table
+    }
+    args = with_defaults(defaults, session.posargs)
     train = str(ROOT / "impls" / impl / "train.py")
     if impl_launcher(impl) == "torchrun":
         # One process per GPU on CUDA; on CPU 2 ranks (gloo), or $DISTREF_CPU_RANKS.
@@ -56,7 +69,8 @@ def run_impl(session: nox.Session, impl: str, device: str) -> None:
         session.run("torchrun", "--standalone", f"--nproc-per-node={nproc}", train, *args)
     else:
         session.run("python", train, *args)
-    session.log(f"record: {out / 'record.json'}")
+    if str(out) in args:  # not replaced by the user's own --out
+        session.log(f"record: {out / 'record.json'}")
 
 
 for _impl in IMPLS:
@@ -65,7 +79,10 @@ for _impl in IMPLS:
         def _session(session: nox.Session, impl: str = _impl, device: str = _device) -> None:
             run_impl(session, impl, device)
 
-        _session.__doc__ = f"Train impls/{_impl} on {'CPU (gloo)' if _device == 'cpu' else 'CUDA (NCCL)'}."
+        _backend = (
+            {"cpu": "gloo", "cuda": "NCCL"}[_device] if impl_launcher(_impl) == "torchrun" else "1 process"
+        )
+        _session.__doc__ = f"Train impls/{_impl} on {'CPU' if _device == 'cpu' else 'CUDA'} ({_backend})."
         nox.session(name=f"{_impl}-{_suffix}")(_session)
 
 
@@ -124,6 +141,14 @@ def lint(session: nox.Session) -> None:
     session.install("-c", CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Known-bad edits (ci/mutants.toml) the tests must catch; prints a table. `-- --only NAME`, `-- --list`"""
+    install_core(session, *TEST_DEPS)
+    session.env["DISTREF_DATA"] = DATA_ROOT
+    session.run("python", str(ROOT / "ci" / "mutants.py"), *session.posargs)
 
 
 @nox.session

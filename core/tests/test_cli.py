@@ -25,6 +25,8 @@ BAD = [
         "needs --data-root to be a text file",
     ),
     (["--profile"], "give --out DIR"),
+    (["--data-root", "/etc/passwd"], "--data-root /etc/passwd: not a directory"),
+    (["--data-root", "/etc/passwd/x"], "--data-root /etc/passwd/x: /etc/passwd is not a directory"),
 ]
 
 
@@ -61,3 +63,60 @@ def test_real_command_line_fails_fast_and_cleanly():
     assert result.stderr.strip().splitlines() == [
         "single/train.py: error: --model gpt does not train on --dataset cifar10 (use one of: text, synthetic)"
     ]
+
+
+def test_a_data_root_that_cannot_be_created_is_refused(tmp_path, monkeypatch, capsys):
+    import distref.config
+
+    monkeypatch.setattr(distref.config.os, "access", lambda path, mode: False)  # root may write anywhere
+    with pytest.raises(SystemExit):
+        parse_config(["--data-root", str(tmp_path / "a" / "b")], "single")
+    assert f"cannot be created ({tmp_path} is not writable)" in capsys.readouterr().err
+
+
+def test_a_missing_data_root_is_created(tmp_path):
+    """A data root that does not exist yet is fine (README: the dataset is prepared there)."""
+    cfg = parse_config(["--data-root", str(tmp_path / "new" / "data")], "single")
+    assert cfg.data_root == str(tmp_path / "new" / "data")
+    assert parse_config(["--dataset", "synthetic", "--data-root", "/etc/passwd/x"], "single")  # not read
+
+
+@pytest.mark.parametrize("impl", sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py")))
+def test_help_works_with_plain_python_for_every_impl(impl):
+    import tomllib
+
+    with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
+        launcher = tomllib.load(f)["tool"]["distref"]["launcher"]
+    result = run_script([sys.executable, str(ROOT / "impls" / impl / "train.py"), "-h"])
+    assert result.returncode == 0, result.stderr
+    assert "run contract (the same for every impl):" in result.stdout
+    assert f"python impls/{impl}/train.py" in result.stdout  # the docstring's usage examples
+    assert "(default: 64)" in result.stdout  # defaults shown
+    # Collective timeouts and rank counts only where there are ranks.
+    assert (
+        ("--timeout SECONDS" in result.stdout)
+        == ("--nproc-per-node N" in result.stdout)
+        == (launcher == "torchrun")
+    )
+
+
+def test_launch_options_are_taken_out_of_what_the_ranks_get():
+    from distref.dist import without_launch_options
+
+    argv = ["--nproc-per-node", "4", "--steps", "5", "--max-restarts=1", "--out", "x", "--max-restarts", "2"]
+    assert without_launch_options(argv) == ["--steps", "5", "--out", "x"]
+
+
+def test_defaults_yield_to_the_users_options():
+    from distref.config import with_defaults
+
+    defaults = {"--model": "lenet", "--epochs": "2", "--out": "runs/x"}
+    assert with_defaults(defaults, ["--steps", "100", "--out=mine"]) == [
+        "--model",
+        "lenet",
+        "--steps",
+        "100",
+        "--out=mine",
+    ]
+    assert with_defaults({"--steps": "5"}, ["--epochs", "1"]) == ["--epochs", "1"]
+    assert with_defaults(defaults, []) == ["--model", "lenet", "--epochs", "2", "--out", "runs/x"]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import count_block_calls
 from distref.data import DatasetInfo
 from distref.models import BlockModel, build_model
 
@@ -74,3 +75,35 @@ def test_lenet_matches_the_classic_shape():
     assert shapes["conv2.0.weight"] == (20, 10, 5, 5)
     assert shapes["fc1.1.weight"] == (50, 320)
     assert shapes["fc2.weight"] == (10, 50)
+
+
+@pytest.mark.parametrize("name", list(INFOS))
+def test_activation_checkpointing_recomputes_each_block_once_in_backward(name):
+    torch.manual_seed(0)
+    model = build_model(name, INFOS[name])
+    calls = count_block_calls(model)
+    model(sample_input(name)).float().sum().backward()
+    assert set(calls.values()) == {1}  # plain: one forward per block
+    model.activation_checkpointing = True
+    model(sample_input(name)).float().sum().backward()
+    assert set(calls.values()) == {3}  # + a forward and its recomputation
+    with torch.no_grad():  # evaluation stores nothing for backward: no checkpointing, no recompute
+        model(sample_input(name))
+    assert set(calls.values()) == {4}
+
+
+def test_activation_checkpointing_updates_batchnorm_statistics_once():
+    """The recomputed forward must not update BatchNorm's running statistics a second time."""
+    states = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model("resnet18", INFOS["resnet18"])
+        model.activation_checkpointing = checkpointing
+        for step in range(2):
+            torch.manual_seed(step)
+            model(sample_input("resnet18", batch=4)).sum().backward()
+        states.append(model.state_dict())
+    plain, checkpointed = states
+    assert int(checkpointed["stem.1.num_batches_tracked"]) == 2
+    for key in plain:  # every buffer and parameter, bitwise
+        assert torch.equal(plain[key], checkpointed[key]), key

@@ -1,14 +1,17 @@
 """The run record's schema, atomic checkpoints, and exact resume mid-epoch."""
 
 import json
+import resource
 
 import jsonschema
 import pytest
 import torch
 
-from conftest import max_relative_difference
+from conftest import expected_time_to_target, max_relative_difference
 from distref import checkpoint as ckpt
+from distref.config import parse_config
 from distref.record import SCHEMA_PATH, load_record
+from distref.training import lr_factor, make_lr_schedule
 
 FAST = [
     "--model",
@@ -26,20 +29,31 @@ FAST = [
 ]
 
 
+def rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def test_record_follows_its_schema(single_train, tmp_path):
     out = tmp_path / "run"
+    peak_before = rss_peak_bytes()
     single_train.main(
         [*FAST, "--steps", "30", "--eval-every", "10", "--target-accuracy", "0.25", "--out", str(out)]
     )
     record = load_record(out)
     jsonschema.validate(record, json.loads(SCHEMA_PATH.read_text()))
-    assert record["status"] == "completed" and record["impl"] == {"name": "single", "version": "0.1.0"}
+    assert record["status"] == "completed" and record["impl"]["name"] == "single"
     assert [s["step"] for s in record["steps"]] == list(range(30))
     assert [e["step"] for e in record["evals"]] == [10, 20, 30]
-    assert record["samples_per_s"] > 0 and record["peak_memory_bytes"][0] > 0
-    assert (
-        record["time_to_target_s"] is not None and record["final_accuracy"] == record["evals"][-1]["accuracy"]
-    )
+    # samples/s: global batch × timed steps / their time, the first (warm-up) step left out.
+    timed = [s["step_time_s"] for s in record["steps"][1:]]
+    assert record["samples_per_s"] == pytest.approx(32 * 29 / sum(timed), rel=1e-12)
+    # Peak memory on CPU is this process's max RSS, which only grows: between before and after the run.
+    assert peak_before <= record["peak_memory_bytes"][0] <= rss_peak_bytes()
+    # Accuracy 0.19, 0.29, 0.25 (deterministic): the target is first reached at the second eval, and the
+    # time is that eval's, not the last one's (also above the target).
+    assert [e["accuracy"] >= 0.25 for e in record["evals"]] == [False, True, True]
+    assert record["time_to_target_s"] == record["evals"][1]["elapsed_s"] > 0
+    assert record["final_accuracy"] == record["evals"][-1]["accuracy"]
     steps_jsonl = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert steps_jsonl == record["steps"]
     assert record["config"]["global_batch_size"] == 32 and record["environment"]["backend"] == "none"
@@ -74,9 +88,11 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert torch.load(good, weights_only=True) == {"step": 10}
 
 
-def test_resume_mid_epoch_ends_with_the_same_parameters(single_train, tmp_path):
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_resume_mid_epoch_ends_with_the_same_parameters(schedule, single_train, tmp_path):
     # 256 steps/epoch on synthetic data: step 10 is mid-epoch.
     ckpt_dir = tmp_path / "ckpt"
+    FAST = [*globals()["FAST"], "--lr-schedule", schedule]
     args = [*FAST, "--steps", "20", "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "10"]
     single_train.main([*args, "--save-final", str(tmp_path / "straight.pt"), "--out", str(tmp_path / "a")])
     assert ckpt.latest_checkpoint(ckpt_dir).name == "step-00000020.pt"
@@ -98,6 +114,19 @@ def test_resume_mid_epoch_ends_with_the_same_parameters(single_train, tmp_path):
     assert max_relative_difference(resumed, straight) == 0.0  # bit-identical
     record = load_record(tmp_path / "b")
     assert [s["step"] for s in record["steps"]] == list(range(20))  # history restored from the checkpoint
+    # The record notes the resume; only the options that differ from the checkpoint's run are listed.
+    assert record["resumes"] == [
+        {
+            "step": 10,
+            "checkpoint": str(ckpt.checkpoint_path(ckpt_dir, 10)),
+            "changes": {
+                "out": [str(tmp_path / "a"), str(tmp_path / "b")],
+                "save_final": [str(tmp_path / "straight.pt"), str(tmp_path / "resumed.pt")],
+                "checkpoint_dir": [str(ckpt_dir), None],
+                "checkpoint_every": [10, 0],
+            },
+        }
+    ]
 
 
 def test_resume_auto_starts_fresh_without_checkpoints(single_train, tmp_path):
@@ -115,3 +144,126 @@ def test_checkpoint_from_another_run_is_refused(single_train, tmp_path, capsys):
         )
     assert exc.value.code == 2
     assert "is from a different run (--seed 0 vs 1)" in capsys.readouterr().err
+
+
+# ---- resume: what each option may do (README, "Resuming") ------------------------------------------
+
+
+def test_lr_schedule_is_a_function_of_the_step():
+    cfg = parse_config(["--lr", "0.1", "--optimizer", "sgd"], "single")
+    lrs = {}
+    for start in (0, 7):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+        if start:  # as after loading a checkpoint: the optimizer remembers the run's initial lr
+            optimizer.param_groups[0]["initial_lr"] = cfg.lr
+        scheduler = make_lr_schedule(cfg, optimizer, total=20, start_step=start)
+        for _ in range(start, 20):
+            lrs.setdefault(start, []).append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    assert lrs[0][0] == 0.1 and lrs[0][10] == pytest.approx(0.05) and lrs[7] == lrs[0][7:]
+    assert lrs[0] == [0.1 * lr_factor("cosine", s, 20) for s in range(20)]
+
+
+@pytest.fixture
+def checkpointed_run(single_train, tmp_path):
+    """A 60-step run with evals every 10 steps and checkpoints every 30: returns (args, checkpoint dir)."""
+    ckpt_dir = tmp_path / "ckpt"
+    args = [*FAST, "--steps", "60", "--eval-every", "10", "--checkpoint-dir", str(ckpt_dir)]
+    single_train.main([*args, "--checkpoint-every", "30", "--save-final", str(tmp_path / "straight.pt")])
+    return args, ckpt_dir
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (["--lr", "0.5"], "--lr 0.05 vs 0.5"),
+        (["--weight-decay", "0.5"], "--weight-decay 0.0 vs 0.5"),
+        (["--optimizer", "adamw"], "--optimizer sgd vs adamw"),
+        (["--global-batch-size", "64"], "--global-batch-size 32 vs 64"),
+        (["--steps", "20"], "is at step 30, past the end of this run (20 steps): ask for at least 30 steps"),
+    ],
+)
+def test_resume_refuses_options_it_cannot_honour(change, message, checkpointed_run, single_train, capsys):
+    args, ckpt_dir = checkpointed_run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        single_train.main([*args, *change, "--resume", str(ckpt.checkpoint_path(ckpt_dir, 30))])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_longer_run_on_resume_replans_the_schedule_and_says_so(
+    checkpointed_run, single_train, tmp_path, capsys
+):
+    args, ckpt_dir = checkpointed_run
+    out = tmp_path / "longer"
+    capsys.readouterr()
+    record = single_train.main(
+        [*args, "--steps", "90", "--resume", str(ckpt.checkpoint_path(ckpt_dir, 30)), "--out", str(out)]
+    )
+    lr_was, lr_now = 0.05 * lr_factor("cosine", 30, 60), 0.05 * lr_factor("cosine", 30, 90)
+    assert (
+        f"the cosine lr schedule is re-planned over 90 steps: lr {lr_was:.3g} -> {lr_now:.3g}"
+        in capsys.readouterr().out
+    )
+    changes = record["resumes"][0]["changes"]
+    assert changes["steps"] == changes["total_steps"] == [60, 90]
+    assert [s["step"] for s in record["steps"]] == list(range(90))
+    assert [e["step"] for e in record["evals"]] == [10, 20, 30, 40, 50, 60, 70, 80, 90]
+
+
+def test_longer_run_with_a_constant_lr_equals_one_planned_that_long(single_train, tmp_path):
+    """With nothing to re-plan, extending a run on resume is exact: same as a run asked for 40 steps."""
+    base = [*FAST, "--lr-schedule", "constant", "--checkpoint-dir", str(tmp_path / "c")]
+    single_train.main([*base, "--steps", "20", "--checkpoint-every", "20"])
+    single_train.main([*base, "--steps", "40", "--resume", "auto", "--save-final", str(tmp_path / "r.pt")])
+    single_train.main(
+        [*FAST, "--lr-schedule", "constant", "--steps", "40", "--save-final", str(tmp_path / "s.pt")]
+    )
+    resumed, straight = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in "rs")
+    assert max_relative_difference(resumed, straight) == 0.0
+
+
+def test_target_accuracy_given_on_resume_is_judged_over_the_whole_history(checkpointed_run, single_train):
+    args, ckpt_dir = checkpointed_run
+    resume = ["--resume", str(ckpt.checkpoint_path(ckpt_dir, 30))]
+    record = single_train.main([*args, *resume, "--target-accuracy", "0.3"])
+    # Accuracy 0.18 at step 10, 0.31 at step 20: reached before the checkpoint (step 30), in the history.
+    assert [e["accuracy"] >= 0.3 for e in record["evals"][:2]] == [False, True]
+    assert record["time_to_target_s"] == record["evals"][1]["elapsed_s"] == expected_time_to_target(record)
+    # Resumed from the last checkpoint (step 60 of 60): no step, no eval, the target judged on history alone.
+    finished = single_train.main(
+        [*args, "--resume", str(ckpt.checkpoint_path(ckpt_dir, 60)), "--target-accuracy", "0.3"]
+    )
+    assert finished["time_to_target_s"] == finished["evals"][1]["elapsed_s"]
+    assert [s["step"] for s in finished["steps"]] == list(range(60))
+    unreachable = single_train.main([*args, *resume, "--target-accuracy", "1.0"])
+    assert max(e["accuracy"] for e in unreachable["evals"]) < 1.0
+    assert unreachable["time_to_target_s"] is None
+
+
+def test_options_changed_on_resume_apply_and_are_recorded(checkpointed_run, single_train, tmp_path):
+    """--grad-accum and --eval-every change how the rest of the run is computed and measured, not what it
+    computes: allowed, applied, and listed in the record."""
+    args, ckpt_dir = checkpointed_run
+    record = single_train.main(
+        [
+            *args,
+            "--grad-accum",
+            "2",
+            "--eval-every",
+            "15",
+            "--resume",
+            str(ckpt.checkpoint_path(ckpt_dir, 30)),
+            "--save-final",
+            str(tmp_path / "resumed.pt"),
+        ]
+    )
+    assert [e["step"] for e in record["evals"]] == [10, 20, 30, 45, 60]  # old cadence, then the new one
+    assert record["resumes"][0]["changes"]["grad_accum"] == [1, 2]
+    assert record["resumes"][0]["changes"]["eval_every"] == [10, 15]
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
+    assert 0 < max_relative_difference(resumed, straight) < 1e-5  # another summation order, same run

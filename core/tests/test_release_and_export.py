@@ -32,18 +32,37 @@ def test_a_change_without_a_version_bump_is_caught(tmp_path):
     (impl / "train.py").write_text(
         (impl / "train.py").read_text().replace("EVAL_BATCH_SIZE = 1000", "EVAL_BATCH_SIZE = 500")
     )
-    assert any("changed since 0.1.0 was released: bump its version" in p for p in release.problems(impl))
-    with pytest.raises(SystemExit, match=re.escape("still 0.1.0: bump the version")):
+    version = release.declared_version(impl)
+    assert any(f"changed since {version} was released: bump its version" in p for p in release.problems(impl))
+    with pytest.raises(SystemExit, match=re.escape(f"still {version}: bump the version")):
         release.release(impl)
     pyproject = impl / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.1.1"'))
-    with pytest.raises(SystemExit, match=re.escape("add a `## 0.1.1` entry")):
+    pyproject.write_text(pyproject.read_text().replace(f'version = "{version}"', 'version = "9.9.9"'))
+    with pytest.raises(SystemExit, match=re.escape("add a `## 9.9.9` entry")):
         release.release(impl)
     (impl / "CHANGELOG.md").write_text(
-        "## 0.1.1 — smaller eval batches\n" + (impl / "CHANGELOG.md").read_text()
+        "## 9.9.9 — smaller eval batches\n" + (impl / "CHANGELOG.md").read_text()
     )
     release.release(impl)
     assert release.problems(impl) == []
+
+
+@pytest.mark.parametrize("in_git", [True, False], ids=["git-checkout", "plain-folder"])
+def test_build_outputs_are_not_behaviour_but_new_files_are(in_git, tmp_path):
+    """`pip install -e impls/<x>` writes an ignored *.egg-info/ there: no release problem. A new module
+    (untracked, not ignored) is a change."""
+    impl = tmp_path / "single"
+    shutil.copytree(ROOT / "impls" / "single", impl, ignore=shutil.ignore_patterns("__pycache__"))
+    if in_git:
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+        (tmp_path / ".gitignore").write_text("*.egg-info/\n")
+    assert release.problems(impl) == []
+    egg_info = impl / "distref_single.egg-info"
+    egg_info.mkdir()
+    (egg_info / "PKG-INFO").write_text("Metadata-Version: 2.1\n")
+    assert release.problems(impl) == []
+    (impl / "helpers.py").write_text("X = 1\n")
+    assert any("changed since" in p for p in release.problems(impl))
 
 
 # ---- export -----------------------------------------------------------------------------------------
@@ -121,33 +140,35 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
         "pyproject.toml",
         "tests",
         "train.py",
+        "constraints.txt",
     }
     assert expected <= {p.name for p in dest.iterdir()}
+    assert "torch==" in (dest / "constraints.txt").read_text()
+    readme = (dest / "README.md").read_text()
+    assert "## Using this export" in readme and "pip install -c constraints.txt torch" in readme
+    assert f"impls/{impl}/train.py" not in readme  # paths as they are in the export
     with open(dest / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["tool"]["distref"]["exported-from"]["impl"] == impl
     assert "from distref." not in (dest / "train.py").read_text()
     assert f"impl `{impl}`" in (dest / "README.md").read_text().splitlines()[0]  # version stamped
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if impl == "ddp" else []
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
-    exported = subprocess.run(
-        [
-            str(fresh_python),
-            "-s",
-            "-E",
-            *launcher,
-            "train.py",
-            *SYNTHETIC,
-            "--save-final",
-            str(tmp_path / "exported.pt"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=dest,
-        env=env,
-        timeout=300,
-    )
+    def run_exported(*args: str) -> subprocess.CompletedProcess:
+        """`python train.py ARGS` there, as its README says (ddp starts its 2 ranks itself)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
+        cmd = [str(fresh_python), "-s", "-E", "train.py", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=dest, env=env, timeout=300)
+
+    exported = run_exported(*SYNTHETIC, "--save-final", str(tmp_path / "exported.pt"))
     assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
+    without_torchvision = run_exported("--dataset", "mnist")
+    assert without_torchvision.returncode == 2
+    # (torch itself may warn first that numpy is missing: this venv has none)
+    assert without_torchvision.stderr.splitlines()[-1] == (
+        f"{impl}/train.py: error: --dataset mnist needs torchvision: pip install torchvision (pinned with "
+        "torch), or use --dataset synthetic"
+    )
+    assert "Traceback" not in without_torchvision.stderr and "starting" not in without_torchvision.stdout
     in_repo = run_script(
         [
             sys.executable,

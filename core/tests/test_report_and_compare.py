@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_script
+from distref import impl_version
 from distref.config import RunConfig
 from distref.record import RunRecord, load_record
 from distref.report import build_report
@@ -55,7 +56,7 @@ def assert_valid_png(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """`python -m distref.compare` on single and ddp (2 ranks), a few steps each."""
+    """`python -m distref.compare --impls ddp` (2 ranks): runs single too, a few steps each."""
     out = tmp_path_factory.mktemp("compare")
     result = run_script(
         [
@@ -63,7 +64,7 @@ def compared(tmp_path_factory):
             "-m",
             "distref.compare",
             "--impls",
-            "single,ddp",
+            "ddp",  # single, the reference, is added by compare itself
             "--world-size",
             "2",
             "--impls-dir",
@@ -92,7 +93,8 @@ def test_compare_runs_each_impl_and_builds_the_report(compared):
     ddp_row = next(line for line in parity.splitlines() if line.startswith("| ddp ×2"))
     assert float(ddp_row.split("|")[2]) < 1e-5  # parity, computed from the runs' final.pt
     versions = report.split("## Versions and environment")[1]
-    assert "| ddp ×2 | 0.1.0 |" in versions and "gloo" in versions
+    ddp_version = impl_version(ROOT / "impls" / "ddp" / "train.py")
+    assert f"| ddp ×2 | {ddp_version} |" in versions and "gloo" in versions
     assert "<table>" in (out / "report.html").read_text()
 
 
@@ -114,6 +116,43 @@ def test_report_is_a_command_of_its_own(compared, tmp_path):
     assert (tmp_path / "again" / "throughput.png").exists()
 
 
+def test_report_takes_the_compare_folder_or_everything_in_it(compared, tmp_path):
+    """`distref.report runs/compare/<t>` and `runs/compare/<t>/*` (plots and report.md included) both
+    mean the runs in it."""
+    out, _ = compared
+    everything = sorted(str(p) for p in out.iterdir())
+    assert any(p.endswith(".png") for p in everything) and any(p.endswith("report.md") for p in everything)
+    for args, name in (([str(out)], "folder"), (everything, "glob")):
+        report = build_report(args, tmp_path / name).read_text()
+        parity = report.split("## Parity with single")[1].split("##")[0]
+        assert "| single ×1 | reference |" in parity and "| ddp ×2 |" in parity
+    with pytest.raises(SystemExit, match=r"holds no record\.json"):
+        build_report([str(tmp_path / "nothing-here")], tmp_path / "none")
+
+
+def test_report_states_evaluation_apart_and_a_single_device_as_such(compared, tmp_path):
+    out, _ = compared
+    dp = tmp_path / "dataparallel"  # DataParallel on CPU: one process, one device
+    dp_record = load_record(out / "single")
+    dp_record.update(impl={"name": "dataparallel", "version": "x"}, devices=1)
+    dp.mkdir()
+    (dp / "record.json").write_text(json.dumps(dp_record))
+    report = build_report([out / "single", out / "ddp", dp], tmp_path / "report").read_text()
+    speed = report.split("## Throughput and scaling")[1].split("##")[0]
+    assert "| dataparallel ×1 (no parallelism) |" in speed and "— (1 device)" in speed
+    ddp = load_record(out / "ddp")
+    assert ddp["eval_time_s"] == pytest.approx(sum(e["eval_time_s"] for e in ddp["evals"]))
+    assert ddp["train_time_s"] == pytest.approx(sum(s["step_time_s"] for s in ddp["steps"]))
+    ddp_row = next(line for line in speed.splitlines() if line.startswith("| ddp ×2"))
+    assert ddp_row.split("|")[4].strip() == f"{ddp['train_time_s']:.1f}"
+    assert ddp_row.split("|")[5].strip() == f"{ddp['eval_time_s']:.1f}"
+    target = report.split("## Time to target accuracy")[1].split("##")[0]
+    assert "evaluation and start-up included, as MLPerf counts it" in target
+    first = next(e for e in ddp["evals"] if e["accuracy"] >= ddp["target_accuracy"])
+    ddp_target = next(line for line in target.splitlines() if line.startswith("| ddp ×2"))
+    assert ddp_target.split("|")[5].strip() == str(first["step"])
+
+
 def test_different_workloads_are_not_compared_side_by_side(compared, tmp_path):
     out, _ = compared
     other = tmp_path / "other"
@@ -128,6 +167,8 @@ def test_different_workloads_are_not_compared_side_by_side(compared, tmp_path):
     assert not (tmp_path / "refused" / "report.md").exists()
     report = build_report([out / "single", other], tmp_path / "mixed", allow_mixed=True).read_text()
     assert "These runs are different workloads" in report
+    assert report.splitlines()[0] == "# distref comparison: mixed workloads"  # not the first run's settings
+    assert "> - ddp ×2: lenet on synthetic, 12 steps, global batch 64" in report
 
 
 def test_a_failed_strategy_appears_with_its_error(compared, tmp_path):
@@ -202,3 +243,11 @@ def test_unknown_impl_is_one_line():
     assert result.stderr.strip().splitlines() == [
         "python -m distref.compare: error: unknown impl(s) fsdp9; available: dataparallel, ddp, single"
     ]
+
+
+def test_compare_help_shows_the_default_workload_and_the_pass_through():
+    result = run_script([sys.executable, "-m", "distref.compare", "--help"])
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    assert "Any other option is a run option passed to every impl's train.py" in text
+    assert "--model lenet --dataset mnist --epochs 1" in text and "--target-accuracy 0.955" in text

@@ -1,12 +1,14 @@
 """DistributedDataParallel (DDP): one process per device, each holding a full replica of the model.
 
-Every rank runs this file (started by torchrun). Each takes its own slice of the global batch, runs
+Every rank runs this file, started by torchrun or by `python train.py`, which checks the arguments and
+then starts the ranks through torch's own launcher (torch.distributed.run). Each rank takes its own slice of the global batch, runs
 forward and backward on it, and DDP all-reduces (averages) the gradients during backward, bucket by
 bucket, overlapping communication with the rest of backward. All replicas then take the same optimizer
 step, so they stay identical — and identical to `impls/single` trained on the whole global batch.
 
-    torchrun --standalone --nproc-per-node 2 impls/ddp/train.py --epochs 2 --out runs/ddp   # CPU: gloo
-    torchrun --standalone --nproc-per-node gpu impls/ddp/train.py --device cuda             # one rank per GPU
+    python impls/ddp/train.py --nproc-per-node 2 --epochs 2 --out runs/ddp   # starts 2 ranks (CPU: gloo)
+    torchrun --standalone --nproc-per-node 2 impls/ddp/train.py --epochs 2     # the same, with torchrun
+    python impls/ddp/train.py --device cuda                                     # one rank per visible GPU
     nox -s ddp-cpu / nox -s ddp-gpu
 
 Changes against impls/single/train.py are marked `# --- DDP: ... ---`.
@@ -27,16 +29,18 @@ from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
     checkpoint_path,
+    describe_resume,
     load_checkpoint,
     resume_path,
     save_checkpoint,
 )
-from distref.config import RunConfig, fail, parse_config, uses_cuda
+from distref.config import RunConfig, fail, parse_config, under_torchrun, uses_cuda
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.dist import (
     all_reduce_mean,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
+    launch_ranks,
     restart_safe_store,
     torchrun_env,
 )
@@ -67,9 +71,10 @@ EVAL_BATCH_SIZE = 1000
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-cap-mb",
+        metavar="MB",
         type=float,
         default=25.0,
-        help="gradient bucket size: bigger = fewer all-reduces, later overlap (default 25)",
+        help="gradient bucket size: bigger = fewer all-reduces, later overlap",
     )
     parser.add_argument(
         "--static-graph",
@@ -90,6 +95,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    if cfg.extra["static_graph"] and cfg.grad_accum > 1:
+        # torch 2.13: the first no_sync() step trips `expect_autograd_hooks_` in reducer.cpp on every rank
+        # (pytorch #143580); the workaround proposed there silently stops gradients being all-reduced.
+        return "--static-graph cannot be combined with --grad-accum > 1 (no_sync) in torch 2.13; drop one"
     if cfg.extra["comm_hook"] == "powersgd" and not uses_cuda(cfg):
         # Measured on torch 2.13 + gloo: powerSGD_hook crashes or hangs intermittently once the
         # gradients span 2+ buckets, and batched_powerSGD_hook always fails. Refuse rather than hang.
@@ -155,11 +164,15 @@ def apply_ddp(model: nn.Module, cfg: RunConfig, device: torch.device, rank: int)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    # --- DDP: one process per device, started by torchrun; the process group comes from its env ---
-    rank, world_size, local_rank, local_world_size = torchrun_env(IMPL)
-    cfg = parse_config(argv, IMPL, add_options, world_size=world_size, check=check_options)
-    configure_cpu_threads(local_world_size)  # ranks on one machine share its cores: one thread each
-    device = pick_device(cfg.device, local_rank)
+    cfg = parse_config(argv, IMPL, add_options, check=check_options, description=__doc__, distributed=True)
+    # --- DDP: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
+    # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
+    # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
+    if not under_torchrun():
+        launch_ranks(__file__, argv, cfg, IMPL)
+    rank, world_size, local_rank = torchrun_env()
+    configure_cpu_threads()
+    device = pick_device(cfg.device, local_rank)  # --- DDP: one device per rank, and a process group
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
     dist.init_process_group(
@@ -186,28 +199,29 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
-    scheduler = make_lr_schedule(cfg, optimizer, n_steps)
     epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
     record = RunRecord(
         IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
     )  # --- DDP: every rank keeps the numbers, rank 0 writes them
 
-    # ---- Resume: model, optimizer, scaler, RNG, record history; the data order follows the step --
+    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
         try:
-            state = load_checkpoint(path, cfg)
+            state = load_checkpoint(path, cfg, n_steps)
         except CheckpointError as exc:
             fail(str(exc), IMPL)
         model.module.load_state_dict(state["model"])  # --- DDP: every rank loads rank 0's checkpoint
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
-        record.load_state(state["record"])
+        record.load_state(state, path)  # the history so far, and what this session changes
         start_step = state["step"]
         if is_main:  # --- DDP: one line, not one per rank
-            print(f"{IMPL}: resumed from {path} at step {start_step}")
+            print(f"{IMPL}: {describe_resume(path, state)}")
+
+    # The lr is a function of the step: built after a resume, it continues where the run left off.
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
 
     # --- DDP: this rank's slice of every global batch (same order as single, any world size) ---
     micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
@@ -261,14 +275,22 @@ def main(argv: list[str] | None = None) -> dict:
                     pending_losses, pending_times = [], []
 
                 if eval_now:
+                    eval_started = time.perf_counter()
                     # --- DDP: each rank scores its shard of the test set with the bare module (no DDP
                     # forward: shards may differ in batch count); sums are all-reduced into global numbers.
+                    # Parameters are identical on every rank, but each rank's last forward updated its own
+                    # BatchNorm running statistics from its own slice: score the model rank 0 saves, with
+                    # rank 0's buffers everywhere (DDP itself broadcasts them at the next forward anyway).
+                    for buffer in model.module.buffers():
+                        dist.broadcast(buffer, src=0)
                     batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
                     totals = evaluate(model.module, batches, device, cfg)
                     dist.all_reduce(totals)
                     loss_sum, correct, count = totals
                     accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(done, done / epoch_steps, accuracy, eval_loss)
+                    record.add_eval(
+                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
+                    )
                     bar.write(
                         f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
                     )
@@ -279,8 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "model": model.module.state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "scaler": scaler.state_dict(),
-                        "scheduler": scheduler.state_dict(),
                         "step": done,
+                        "total_steps": n_steps,
                         "rng": torch.get_rng_state(),
                         "record": record.state(),
                         "config": cfg.to_dict(),

@@ -17,6 +17,7 @@ from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
     checkpoint_path,
+    describe_resume,
     load_checkpoint,
     resume_path,
     save_checkpoint,
@@ -47,7 +48,7 @@ EVAL_BATCH_SIZE = 1000
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv, IMPL)
+    cfg = parse_config(argv, IMPL, description=__doc__)
     configure_cpu_threads()
     device = pick_device(cfg.device)
 
@@ -62,25 +63,26 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
-    scheduler = make_lr_schedule(cfg, optimizer, n_steps)
     epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
     record = RunRecord(IMPL, VERSION, cfg, world_size=1, device=device, backend="none")
 
-    # ---- Resume: model, optimizer, scaler, RNG, record history; the data order follows the step --
+    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
         try:
-            state = load_checkpoint(path, cfg)
+            state = load_checkpoint(path, cfg, n_steps)
         except CheckpointError as exc:
             fail(str(exc), IMPL)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
-        record.load_state(state["record"])
+        record.load_state(state, path)  # the history so far, and what this session changes
         start_step = state["step"]
-        print(f"{IMPL}: resumed from {path} at step {start_step}")
+        print(f"{IMPL}: {describe_resume(path, state)}")
+
+    # The lr is a function of the step: built after a resume, it continues where the run left off.
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
 
     micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps))
     bar = progress_bar(n_steps, start_step, enabled=True, desc=IMPL)
@@ -126,11 +128,14 @@ def main(argv: list[str] | None = None) -> dict:
                     pending_losses, pending_times = [], []
 
                 if eval_now:
+                    eval_started = time.perf_counter()
                     loss_sum, correct, count = evaluate(
                         model, eval_batches(test_set, EVAL_BATCH_SIZE), device, cfg
                     )
                     accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(done, done / epoch_steps, accuracy, eval_loss)
+                    record.add_eval(
+                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
+                    )
                     bar.write(
                         f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
                     )
@@ -141,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "model": model.state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "scaler": scaler.state_dict(),
-                        "scheduler": scheduler.state_dict(),
                         "step": done,
+                        "total_steps": n_steps,
                         "rng": torch.get_rng_state(),
                         "record": record.state(),
                         "config": cfg.to_dict(),

@@ -1,9 +1,14 @@
 """Checkpoints: written atomically, loaded with `weights_only=True`, resumable mid-epoch.
 
-A checkpoint holds the model and optimizer state, the grad scaler, the optimizer step reached, the RNG
-state and the run record's history. Because the data order is a pure function of (seed, step), resuming
-at step t replays exactly the batches an uninterrupted run would have used: the resumed run ends with
-the same parameters.
+A checkpoint holds the model and optimizer state, the grad scaler, the optimizer step reached, the run's
+length, the RNG state, the run record's history and the run's options. Because the data order and the lr
+are pure functions of (seed, step), resuming at step t replays exactly the batches and learning rates an
+uninterrupted run would have used: the resumed run ends with the same parameters.
+
+What each option may do on resume (the README's table): options in MUST_MATCH are refused when they differ;
+the run's length may grow (a cosine schedule is then re-planned over the new length, and the console and
+record say so) but may not end before the checkpoint's step; every other option applies from the resumed
+step on and the record lists it under `resumes`.
 """
 
 from __future__ import annotations
@@ -16,11 +21,24 @@ from typing import Any
 import torch
 
 from distref.config import RunConfig
+from distref.training import lr_factor
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
-# Options that fix the model, the data order or the optimizer: a checkpoint cannot resume a run that
-# differs in any of them.
-MUST_MATCH = ("model", "dataset", "global_batch_size", "seed", "optimizer", "lr_schedule", "precision")
+# Options that fix the model, the data order or the optimizer's trajectory: a checkpoint cannot continue a
+# run that differs in any of them. (A new --lr or --weight-decay would otherwise be overridden by the
+# optimizer state in the checkpoint while the record claimed it.)
+MUST_MATCH = (
+    "model",
+    "dataset",
+    "global_batch_size",
+    "seed",
+    "optimizer",
+    "lr",
+    "lr_schedule",
+    "weight_decay",
+    "precision",
+)
+NOT_COMPARED = ("resume",)  # how this session was started, not what the run is
 
 
 class CheckpointError(RuntimeError):
@@ -62,17 +80,51 @@ def resume_path(cfg: RunConfig) -> Path | None:
     return Path(cfg.resume)
 
 
-def load_checkpoint(path: str | Path, cfg: RunConfig) -> dict[str, Any]:
-    """Load on CPU with `weights_only=True` (no arbitrary code from a pickle) and check that the
-    checkpoint belongs to a run with the same model, data order and optimizer."""
+def options(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's options as one flat dict: core options and the impl's own (`extra`) side by side."""
+    flat = {k: v for k, v in config.items() if k != "extra"}
+    flat.update(config.get("extra", {}))
+    return flat
+
+
+def load_checkpoint(path: str | Path, cfg: RunConfig, total_steps: int) -> dict[str, Any]:
+    """Load on CPU with `weights_only=True` (no arbitrary code from a pickle), check that the checkpoint
+    can continue this run (MUST_MATCH, and a length that does not end before it), and add
+    `state["changes"]`: {option: [in the checkpoint, now]} for every option this session changes."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
-    saved = state.get("config", {})
-    current = cfg.to_dict()
+    saved, current = options(state.get("config", {})), options(cfg.to_dict())
     different = [k for k in MUST_MATCH if saved.get(k) != current[k]]
     if different:
         diffs = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} vs {current[k]}" for k in different)
         raise CheckpointError(f"checkpoint {path} is from a different run ({diffs})")
+    if state["step"] > total_steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {state['step']}, past the end of this run ({total_steps} steps): "
+            f"ask for at least {state['step']} steps"
+        )
+    changes = {
+        k: [saved.get(k), v] for k, v in current.items() if k not in NOT_COMPARED and saved.get(k) != v
+    }
+    if state.get("total_steps", total_steps) != total_steps:
+        changes["total_steps"] = [state["total_steps"], total_steps]
+    state["changes"] = changes
     return state
+
+
+def describe_resume(path: str | Path, state: dict[str, Any]) -> str:
+    """One line for the console: where the run continues, and what this session changes."""
+    step, changes = state["step"], state["changes"]
+    line = f"resumed from {path} at step {step}"
+    shown = {k: v for k, v in changes.items() if k not in ("epochs", "steps")}  # total_steps says it
+    if shown:
+        line += "; changed: " + ", ".join(f"{k} {was} -> {now}" for k, (was, now) in shown.items())
+    schedule = state["config"]["lr_schedule"]
+    if "total_steps" in changes and schedule != "constant":
+        was, now = changes["total_steps"]
+        lr = state["config"]["lr"]
+        before, after = lr * lr_factor(schedule, step, was), lr * lr_factor(schedule, step, now)
+        line += f"; the {schedule} lr schedule is re-planned over {now} steps: lr {before:.3g} -> {after:.3g}"
+    return line

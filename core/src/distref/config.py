@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -99,81 +100,230 @@ def _fraction(text: str) -> float:
     return value
 
 
-def build_parser(impl: str, add_options: Callable[[argparse.ArgumentParser], None] | None = None):
-    parser = OneLineErrorParser(prog=f"{impl}/train.py", description=f"distref: {impl}")
-    p = parser.add_argument
-    p("--model", choices=MODELS, default="lenet")
-    p("--dataset", choices=DATASETS, default="mnist")
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description (train.py's docstring, with its usage examples) as written; each option's default
+    shown where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = (
+            action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        )
+        if shown and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (or torch.distributed.run), which sets these."""
+    return "LOCAL_RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def build_parser(
+    impl: str,
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+    description: str | None = None,
+    distributed: bool = False,
+) -> OneLineErrorParser:
+    """The run contract's parser: core options, the process options of multi-process impls
+    (`distributed`), then the impl's own (`add_options`), each group under its own heading in --help."""
+    parser = OneLineErrorParser(
+        prog=f"{impl}/train.py",
+        usage="%(prog)s [-h] [options]",
+        description=description or f"distref: {impl}",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # the launcher must tell its own options from train.py's exactly
+    )
+    contract = parser.add_argument_group("run contract (the same for every impl)")
+    p = contract.add_argument
+    p("--model", choices=MODELS, default="lenet", help="an ordered list of named blocks (distref.models)")
+    p("--dataset", choices=DATASETS, default="mnist", help="real MNIST is prepared offline, md5-checked")
     p(
         "--data-root",
+        metavar="DIR",
         default=os.environ.get("DISTREF_DATA", "data"),
-        help="dataset folder; a file for --dataset text",
+        help="dataset folder (created and prepared if missing; $DISTREF_DATA); a file for --dataset text",
     )
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=_positive_int, help="train this many epochs (default 1)")
-    length.add_argument("--steps", type=_positive_int, help="train this many optimizer steps")
+    length = contract.add_mutually_exclusive_group()
+    length.add_argument(
+        "--epochs", metavar="N", type=_positive_int, help="train this many epochs (default: 1)"
+    )
+    length.add_argument("--steps", metavar="N", type=_positive_int, help="train this many optimizer steps")
     p(
         "--global-batch-size",
+        metavar="B",
         type=_positive_int,
         default=64,
-        help="samples per optimizer step, any world size",
+        help="samples per optimizer step, whatever the world size and --grad-accum",
     )
-    p("--lr", type=_positive_float, default=2e-3)
-    p("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    p("--lr", metavar="LR", type=_positive_float, default=2e-3, help="peak learning rate")
+    p("--optimizer", choices=("sgd", "adamw"), default="adamw", help="sgd has momentum 0.9")
     p(
         "--lr-schedule",
         choices=("cosine", "constant"),
         default="cosine",
         help="cosine: from --lr to 0 over the run",
     )
-    p("--weight-decay", type=float, default=0.0)
-    p("--seed", type=int, default=0)
-    p("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p("--grad-accum", type=_positive_int, default=1, help="micro-steps per optimizer step")
+    p("--weight-decay", metavar="WD", type=float, default=0.0, help="decoupled (AdamW) or L2 (SGD)")
+    p("--seed", metavar="SEED", type=int, default=0, help="initial parameters and data order")
+    p(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="bf16/fp16: autocast; fp16 CUDA only",
+    )
+    p("--grad-accum", metavar="K", type=_positive_int, default=1, help="micro-steps per optimizer step")
     p(
         "--activation-checkpointing",
         action="store_true",
-        help="recompute each block's activations in backward",
+        help="recompute each block's activations in backward (less memory, more compute)",
     )
-    p("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p("--eval-every", type=_non_negative_int, default=0, help="evaluate every N steps (0: each epoch end)")
-    p("--target-accuracy", type=_fraction, help="accuracy whose first reaching the record times")
-    p("--out", help="write record.json and steps.jsonl here")
-    p("--save-final", help="write the final full fp32 state_dict here")
-    p("--checkpoint-dir", help="write checkpoints here")
-    p("--checkpoint-every", type=_non_negative_int, default=0, help="checkpoint every N steps (0: never)")
-    p("--resume", help="'auto' (newest checkpoint in --checkpoint-dir, if any) or a checkpoint file")
-    p("--timeout", type=_positive_float, default=600.0, help="seconds a collective may wait before failing")
+    p("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    p(
+        "--eval-every",
+        metavar="N",
+        type=_non_negative_int,
+        default=0,
+        help="evaluate every N steps (0: each epoch end)",
+    )
+    p(
+        "--target-accuracy",
+        metavar="A",
+        type=_fraction,
+        help="test accuracy to reach: the record says when the first evaluation reached it",
+    )
+    p("--out", metavar="DIR", help="write record.json and steps.jsonl to this folder")
+    p(
+        "--save-final",
+        metavar="PATH",
+        help="write the final full fp32 state_dict (core model keys) to this file",
+    )
+    p("--checkpoint-dir", metavar="DIR", help="write checkpoints to this folder")
+    p(
+        "--checkpoint-every",
+        metavar="N",
+        type=_non_negative_int,
+        default=0,
+        help="checkpoint every N steps (0: never)",
+    )
+    p(
+        "--resume",
+        metavar="auto|PATH",
+        help="'auto' (newest checkpoint in --checkpoint-dir, if any) or a checkpoint file",
+    )
     p("--profile", action="store_true", help="torch.profiler trace of a few steps under --out/profile")
     p("--tensorboard", action="store_true", help="TensorBoard scalars under --out/tensorboard")
-    p("--num-workers", type=_non_negative_int, default=0, help="DataLoader worker processes")
-    p("--log-every", type=_positive_int, default=10, help="steps between progress/record flushes")
+    p("--num-workers", metavar="N", type=_non_negative_int, default=0, help="DataLoader worker processes")
+    p(
+        "--log-every",
+        metavar="N",
+        type=_positive_int,
+        default=10,
+        help="steps between progress/record flushes",
+    )
+    if distributed:
+        processes = parser.add_argument_group(
+            "processes (one per rank; started by torchrun, or by this file when run with python)"
+        )
+        q = processes.add_argument
+        q(
+            "--nproc-per-node",
+            metavar="N",
+            type=_positive_int,
+            help="with plain `python train.py`: start this many ranks through torch.distributed.run "
+            "(default: one per visible GPU with CUDA, else 2); under torchrun, give it to torchrun",
+        )
+        q(
+            "--max-restarts",
+            metavar="K",
+            type=_non_negative_int,
+            default=0,
+            help="with plain `python train.py`: restart all ranks this often after a failure "
+            "(use with --checkpoint-dir and --resume auto)",
+        )
+        q(
+            "--timeout",
+            metavar="SECONDS",
+            type=_positive_float,
+            default=600.0,
+            help="seconds a collective may wait before failing",
+        )
     if add_options is not None:
-        strategy = parser.add_argument_group(f"{impl} options")
-        add_options(strategy)
+        add_options(parser.add_argument_group(f"{impl} options"))
     return parser
+
+
+LAUNCH_OPTIONS = ("nproc_per_node", "max_restarts")  # the launcher's, not the run's: not in RunConfig
+
+
+def with_defaults(defaults: dict[str, str], args: Sequence[str]) -> list[str]:
+    """`args` preceded by `defaults` ({"--option": value}) for every option that `args` does not give;
+    `--steps` given replaces a default `--epochs` (they exclude each other), and the other way round."""
+    given = {arg.split("=")[0] for arg in args if arg.startswith("--")}
+    if given & {"--steps", "--epochs"}:
+        given |= {"--steps", "--epochs"}
+    kept = [item for option, value in defaults.items() if option not in given for item in (option, value)]
+    return [*kept, *args]
 
 
 def parse_config(
     argv: Sequence[str] | None,
     impl: str,
     add_options: Callable[[argparse.ArgumentParser], None] | None = None,
-    world_size: int = 1,
+    world_size: int | None = None,
     check: Callable[[RunConfig, int], str | None] | None = None,
+    description: str | None = None,
+    distributed: bool = False,
 ) -> RunConfig:
-    """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2."""
-    parser = build_parser(impl, add_options)
+    """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2.
+
+    `world_size` defaults to 1, or for a `distributed` impl to torchrun's WORLD_SIZE under torchrun and
+    to the ranks `--nproc-per-node` asks for otherwise (the launcher validates before starting any)."""
+    parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
+    launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
     core_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"extra"}
     core = {k: v for k, v in ns.items() if k in core_fields}
     extra = {k: v for k, v in ns.items() if k not in core_fields}
     cfg = RunConfig(**core, extra=extra)
     if cfg.epochs is None and cfg.steps is None:
         cfg = dataclasses.replace(cfg, epochs=1)
-    problem = validate(cfg, world_size) or (check(cfg, world_size) if check else None)
+    if world_size is None and distributed and under_torchrun():
+        if launch["nproc_per_node"] is not None or launch["max_restarts"]:
+            parser.error(
+                "--nproc-per-node/--max-restarts start ranks from plain python; give them to torchrun"
+            )
+        world_size = int(os.environ["WORLD_SIZE"])
+    elif world_size is None and distributed:
+        world_size = launch["nproc_per_node"] or default_ranks(cfg)
+        cfg.extra.update(nproc_per_node=world_size, max_restarts=launch["max_restarts"])
+    problem = validate(cfg, world_size or 1) or (check(cfg, world_size or 1) if check else None)
     if problem:
         parser.error(problem)
     return cfg
+
+
+def default_ranks(cfg: RunConfig) -> int:
+    """Ranks to start on this machine when none are asked for: one per GPU with CUDA, else 2 (each rank
+    then runs one thread: more ranks than cores only adds waiting)."""
+    import torch
+
+    return max(1, torch.cuda.device_count()) if uses_cuda(cfg) else 2
+
+
+ROOTED_DATASETS = ("mnist", "fashion-mnist", "cifar10")  # kept as files in a folder under --data-root
+
+
+def data_root_problem(root: Path) -> str | None:
+    """A dataset folder must be a folder, or one that can be created (the dataset is then prepared in it)."""
+    if root.exists():
+        return None if root.is_dir() else f"--data-root {root}: not a directory"
+    parent = next(p for p in root.absolute().parents if p.exists())  # the nearest existing ancestor
+    if not parent.is_dir():
+        return f"--data-root {root}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK):
+        return f"--data-root {root}: does not exist and cannot be created ({parent} is not writable)"
+    return None
 
 
 def uses_cuda(cfg: RunConfig) -> bool:
@@ -198,6 +348,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
         )
     if cfg.dataset == "text" and not Path(cfg.data_root).is_file():
         return f"--dataset text needs --data-root to be a text file; {cfg.data_root!r} is not a file"
+    if cfg.dataset in ROOTED_DATASETS and (problem := data_root_problem(Path(cfg.data_root))):
+        return problem
+    needs_torchvision = cfg.dataset in ROOTED_DATASETS or cfg.model == "resnet18"
+    if needs_torchvision and importlib.util.find_spec("torchvision") is None:
+        what = f"--model {cfg.model}" if cfg.model == "resnet18" else f"--dataset {cfg.dataset}"
+        return f"{what} needs torchvision: pip install torchvision (pinned with torch), or use --dataset synthetic"
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this torch build"
     if cfg.precision == "fp16" and not uses_cuda(cfg):
@@ -211,7 +367,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
     if (cfg.profile or cfg.tensorboard) and not cfg.out:
         return "--profile and --tensorboard write under --out; give --out DIR"
     if cfg.out and cfg.resume is None and (Path(cfg.out) / "record.json").exists():
-        return f"--out {cfg.out} already holds a record.json; choose another --out (or --resume)"
+        return (
+            f"--out {cfg.out} already holds a record.json; choose another --out, or continue that run "
+            "with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
+        )
     return None
 
 

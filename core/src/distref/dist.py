@@ -11,30 +11,55 @@ import datetime
 import gc
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from distref.config import fail
+from distref.config import RunConfig
 
 
-def torchrun_env(impl: str) -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from the variables torchrun sets."""
+def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, impl: str) -> NoReturn:
+    """Run `train_file` as `--nproc-per-node` ranks on this machine through torch.distributed.run (the
+    module behind torchrun), then exit: `python train.py --nproc-per-node 2 ...` is exactly
+    `torchrun --standalone --nproc-per-node 2 train.py ...`. The caller has validated the arguments, so
+    bad input never starts a rank. Exit code 0, or 1 with one line naming the first rank that failed
+    (each rank's own error is printed above it)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    nproc, restarts = cfg.extra["nproc_per_node"], cfg.extra["max_restarts"]
+    rank_argv = without_launch_options(sys.argv[1:] if argv is None else list(argv))
+    torchrun_argv = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}"]
+    print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
+    try:
+        run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        sys.stderr.write(f"{impl}: rank {rank} failed ({how}); its error is above\n")
+        sys.exit(1)
+    sys.exit(0)
+
+
+def without_launch_options(argv: list[str]) -> list[str]:
+    """`argv` less --nproc-per-node/--max-restarts (and their values): the ranks get the run's options."""
+    kept, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token in ("--nproc-per-node", "--max-restarts"):
+            skip_value = True
+        elif not token.startswith(("--nproc-per-node=", "--max-restarts=")):
+            kept.append(token)
+    return kept
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the variables torchrun sets."""
     env = os.environ
-    if "LOCAL_RANK" not in env or "MASTER_ADDR" not in env:
-        fail(
-            f"{impl} runs one process per rank: start it with `torchrun --nproc-per-node N "
-            f"impls/{impl}/train.py ...`",
-            impl,
-        )
-    return (
-        int(env["RANK"]),
-        int(env["WORLD_SIZE"]),
-        int(env["LOCAL_RANK"]),
-        int(env["LOCAL_WORLD_SIZE"]),
-    )
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
 
 
 def restart_safe_store(timeout: datetime.timedelta) -> dist.Store:

@@ -2,7 +2,8 @@
 
     python -m distref.export ddp ~/src/my-trainer          (or: nox -s export -- ddp ~/src/my-trainer)
 
-DEST receives the impl's train.py, README.md, CHANGELOG.md and tests, and the core modules train.py
+DEST receives the impl's train.py, README.md, CHANGELOG.md and tests, the constraints file that pins
+torch (install through it: pip must never pick a torch for you), and the core modules train.py
 needs (found by following its imports), **vendored** as the package `distref_<impl>` with the imports
 rewritten to it — so DEST runs without this repo, and never clashes with an installed distref. The tests
 come with their fixtures (conftest.py) and, as the parity oracle, impls/single/train.py under
@@ -55,6 +56,36 @@ def rewrite_imports(text: str, package: str) -> str:
     return re.sub(r"(?m)^(\s*)import distref\b", rf"\1import {package} as distref", text)
 
 
+def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str) -> str:
+    """The impl's README with its paths as they are in the export, under a section saying how to install,
+    run and test the exported project."""
+    text = text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
+    launch = " (starts 2 ranks; --nproc-per-node N)" if launcher == "torchrun" else ""
+    return f"""> Exported from distref: impl `{impl}` {stamp["impl_version"]}, core {stamp["core_version"]}, \
+git {stamp["git_sha"] or "unknown"}.
+
+## Using this export
+
+A standalone project: `train.py` (the reference), `{package}/` (the distref core modules it needs,
+vendored), `baseline/single/train.py` (the one-process baseline: the tests' parity oracle), `tests/`, and
+`constraints.txt`, the torch build it was tested with. Install through it, so that pip never resolves
+torch for you (an unpinned install pulls the newest torch, with gigabytes of CUDA packages); on other
+hardware, write your torch build (and its torchvision) into it first.
+
+```bash
+python3 -m venv .venv && . .venv/bin/activate
+pip install -c constraints.txt torch                   # all that --dataset synthetic needs
+python train.py --dataset synthetic --steps 50{launch}
+pip install -c constraints.txt torchvision numpy tqdm  # real MNIST, resnet18, progress bars
+pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorboard
+python -m pytest tests                                 # parity with baseline/single, and more
+```
+
+`nox -s …` sessions and benchmark scripts named below belong to the distref repository, not to this export.
+
+{text}"""
+
+
 def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     source = impls_dir / impl
     if not (source / "train.py").exists():
@@ -90,11 +121,10 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     for name in ("train.py", "README.md", "CHANGELOG.md"):
         text = (source / name).read_text()
         if name == "README.md":
-            text = (
-                f"> Exported from distref: impl `{impl}` {stamp['impl_version']}, core {core_version}, "
-                f"git {stamp['git_sha'] or 'unknown'}.\n\n" + text
-            )
+            launcher = impl_project.get("tool", {}).get("distref", {}).get("launcher", "python")
+            text = exported_readme(text, impl, package, stamp, launcher)
         (dest / name).write_text(rewrite_imports(text, package) if name.endswith(".py") else text)
+    shutil.copy(REPO / "ci" / "constraints.txt", dest / "constraints.txt")
     if impl != "single":
         baseline = dest / "baseline" / "single"
         baseline.mkdir(parents=True)
@@ -144,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls-dir", type=Path, default=REPO / "impls")
     args = parser.parse_args(argv)
     dest = export(args.impl, args.dest, args.impls_dir)
-    print(f"exported {args.impl} to {dest}: run `python train.py --dataset synthetic --steps 50` there")
+    print(
+        f"exported {args.impl} to {dest}: see its README (install through constraints.txt), then "
+        "`python train.py --dataset synthetic --steps 50` there"
+    )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ the same whichever impl trains it: a `--save-final` state_dict from any impl loa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +22,34 @@ from torch.utils.checkpoint import checkpoint
 from distref.data import DatasetInfo
 
 
+@contextlib.contextmanager
+def _batchnorm_statistics_kept(module: nn.Module) -> Iterator[None]:
+    """Run `module`, then put its BatchNorm running statistics back as they were before.
+
+    (Turning `track_running_stats` off instead would run a different batch-norm op than the forward being
+    recomputed, which checkpointing rejects: it checks that the recomputation saves the same tensors.)"""
+    buffers = [
+        b for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()
+    ]
+    before = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, before, strict=True):
+                buffer.copy_(value)
+
+
+def _recompute_contexts(block: nn.Module):
+    # The recomputed forward would update BatchNorm's running mean/var (and num_batches_tracked) a second
+    # time each step; the first forward updates them as usual, the recomputation's update is undone.
+    return contextlib.nullcontext(), _batchnorm_statistics_kept(block)
+
+
 class BlockModel(nn.Sequential):
     """Named blocks applied in order. With `activation_checkpointing`, each block's activations are
     dropped after forward and recomputed in backward (non-reentrant checkpointing): less memory, ~1/3
-    more compute."""
+    more compute, and the same parameters and buffers as without it."""
 
     def __init__(self, blocks: OrderedDict[str, nn.Module]):
         super().__init__(blocks)
@@ -31,7 +58,8 @@ class BlockModel(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                contexts = functools.partial(_recompute_contexts, block)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
             else:
                 x = block(x)
         return x

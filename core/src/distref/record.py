@@ -86,6 +86,7 @@ class RunRecord:
         device: torch.device,
         backend: str,
         write_files: bool = True,
+        devices: int | None = None,
     ):
         # Every rank may keep a record (same numbers); only the one with write_files touches --out.
         self.out = Path(cfg.out) if cfg.out and write_files else None
@@ -96,14 +97,18 @@ class RunRecord:
             "impl": {"name": impl, "version": version},
             "environment": environment(device, backend),
             "world_size": world_size,
+            "devices": devices or world_size,  # devices that compute (DataParallel: GPUs of one process)
             "config": cfg.to_dict(),
             "steps": [],
             "evals": [],
             "samples_per_s": None,
+            "train_time_s": None,
+            "eval_time_s": None,
             "peak_memory_bytes": [],
             "target_accuracy": cfg.target_accuracy,
             "time_to_target_s": None,
             "final_accuracy": None,
+            "resumes": [],
             "wall_time_s": 0.0,
             "started_at": _now(),
             "finished_at": None,
@@ -128,21 +133,38 @@ class RunRecord:
             with open(self.out / "steps.jsonl", "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
 
-    def add_eval(self, step: int, epoch: float, accuracy: float, loss: float) -> None:
+    def add_eval(self, step: int, epoch: float, accuracy: float, loss: float, seconds: float) -> None:
+        """An evaluation after `step` steps that took `seconds`; its elapsed time is the run's at its end."""
         elapsed = self.elapsed()
         self.data["evals"].append(
-            {"step": step, "epoch": epoch, "elapsed_s": elapsed, "accuracy": accuracy, "loss": loss}
+            {
+                "step": step,
+                "epoch": epoch,
+                "elapsed_s": elapsed,
+                "eval_time_s": seconds,
+                "accuracy": accuracy,
+                "loss": loss,
+            }
         )
         self.data["final_accuracy"] = accuracy
+        self._time_to_target()
+
+    def _time_to_target(self) -> None:
+        """Elapsed time at the first eval at or above the target (None until one is): derived from the
+        evals alone, so a target given or changed on resume is judged over the whole history."""
         target = self.data["target_accuracy"]
-        if target is not None and self.data["time_to_target_s"] is None and accuracy >= target:
-            self.data["time_to_target_s"] = elapsed
+        reached = [
+            e["elapsed_s"] for e in self.data["evals"] if target is not None and e["accuracy"] >= target
+        ]
+        self.data["time_to_target_s"] = reached[0] if reached else None
 
     def finish(self, global_batch_size: int, peak_memory_per_rank: list[int]) -> None:
         steps = self.data["steps"]
         timed = [row["step_time_s"] for row in steps[1:]]  # step 0 pays for warm-up (allocations, caches)
         if timed and sum(timed) > 0:
             self.data["samples_per_s"] = global_batch_size * len(timed) / sum(timed)
+        self.data["train_time_s"] = sum(row["step_time_s"] for row in steps)
+        self.data["eval_time_s"] = sum(e.get("eval_time_s", 0.0) for e in self.data["evals"])
         self.data["peak_memory_bytes"] = [int(m) for m in peak_memory_per_rank]
         self.data["status"] = "completed"
         self.write()
@@ -169,15 +191,23 @@ class RunRecord:
         return {
             "steps": list(self.data["steps"]),
             "evals": list(self.data["evals"]),
-            "time_to_target_s": self.data["time_to_target_s"],
             "final_accuracy": self.data["final_accuracy"],
+            "resumes": list(self.data["resumes"]),
             "elapsed_s": self.elapsed(),
             "started_at": self.data["started_at"],
         }
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        for key in ("steps", "evals", "time_to_target_s", "final_accuracy", "started_at"):
+    def load_state(self, checkpoint: dict[str, Any], path: str | Path) -> None:
+        """Continue the record kept in `checkpoint` (from load_checkpoint), noting this resume and the
+        options it changes, so that the record describes the run as it really went."""
+        state = checkpoint["record"]
+        for key in ("steps", "evals", "final_accuracy", "started_at"):
             self.data[key] = state[key]
+        self.data["resumes"] = [
+            *state.get("resumes", []),
+            {"step": checkpoint["step"], "checkpoint": str(path), "changes": checkpoint["changes"]},
+        ]
+        self._time_to_target()
         self._elapsed_before = float(state["elapsed_s"])
         self._session_start = time.perf_counter()
         if self.out:  # steps logged after the checkpoint by the interrupted session are dropped

@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -26,11 +27,28 @@ NOT_BEHAVIOUR = {"README.md", "CHANGELOG.md", "release.json"}
 SKIP_DIRS = {"tests", "__pycache__", ".pytest_cache"}
 
 
+def versioned_files(directory: Path) -> list[Path]:
+    """The files git would version under `directory`: tracked, or untracked and not ignored. Build
+    outputs (the `*.egg-info/` that `pip install -e impls/<x>` writes, caches) are not the impl. Outside
+    a git checkout: every file but those build outputs."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "."],
+            cwd=directory,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        files = [directory / name for name in listed.split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        files = [p for p in directory.rglob("*") if not any(part.endswith(".egg-info") for part in p.parts)]
+    return sorted(p for p in files if p.is_file())  # tracked but deleted in the work tree: gone
+
+
 def behaviour_files(impl_dir: Path) -> list[Path]:
     files = []
-    for path in sorted(impl_dir.rglob("*")):
+    for path in versioned_files(impl_dir):
         relative = path.relative_to(impl_dir)
-        if path.is_file() and not SKIP_DIRS & set(relative.parts) and relative.name not in NOT_BEHAVIOUR:
+        if not SKIP_DIRS & set(relative.parts) and relative.name not in NOT_BEHAVIOUR:
             files.append(path)
     return files
 

@@ -2,7 +2,9 @@
 
     python -m distref.report runs/compare/single runs/compare/ddp gpu-box/ddp --out report/
 
-Each RUN_DIR holds a `record.json` (and, for the parity table, the `final.pt` that `--save-final` wrote).
+Each RUN_DIR holds a `record.json` (and, for the parity table, the `final.pt` that `--save-final` wrote);
+a folder of such folders (what `nox -s compare` writes) stands for all of them, and files that are not a
+record (the plots and report of an earlier comparison, as `runs/compare/<time>/*` gives) are skipped.
 Writes `report.md`, `report.html` and PNG plots into --out and prints the path of report.md.
 
 Records of different workloads (model, dataset, global batch, ...) are refused: their numbers cannot be
@@ -36,6 +38,14 @@ WORKLOAD_KEYS = (
 )
 
 
+TARGET_NOTE = (
+    "Time to target is the run's elapsed time at the end of the first evaluation reaching the target, "
+    "evaluation and start-up included, as MLPerf counts it; 'of which training' is the optimizer steps "
+    "alone. Evaluation is part of the strategy's cost: ddp scores its test-set shard on every rank, so it "
+    "evaluates about world-size times faster than single. Time to target moves in whole evaluation "
+    "intervals: compare the step at which each run got there too."
+)
+
 PARITY_NOTE = (
     "How to read this: the impls' tests check parity on short fp32 runs (20 steps, max relative difference "
     "< 1e-5). Over a long run, rounding differences of ~1e-7 per step (gradients summed in another order: "
@@ -54,8 +64,14 @@ class Run:
         self.ok = record["status"] == "completed"
 
     @property
+    def devices(self) -> int:
+        return self.record.get("devices") or self.record["world_size"]
+
+    @property
     def label(self) -> str:
-        return f"{self.impl} ×{self.record['world_size']}"
+        if self.devices == 1 and self.impl != "single":  # e.g. DataParallel on CPU
+            return f"{self.impl} ×1 (no parallelism)"
+        return f"{self.impl} ×{self.devices}"
 
     def final_state(self):
         import torch
@@ -64,10 +80,26 @@ class Run:
         return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
 
 
+def run_dirs_in(paths: Sequence[str | Path]) -> list[Path]:
+    """The run folders that `paths` name: a folder with a record.json, a record.json itself, or a folder
+    of run folders; other files (plots, report.md of an earlier comparison) are skipped."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            if p.name == "record.json":
+                found.append(p.parent)
+        elif (p / "record.json").exists():
+            found.append(p)
+        elif p.is_dir() and (children := sorted(c.parent for c in p.glob("*/record.json"))):
+            found.extend(children)
+        else:
+            raise SystemExit(f"distref.report: error: {p} holds no record.json (nor folders that do)")
+    return found
+
+
 def load_runs(paths: Sequence[str | Path]) -> list[Run]:
     runs = []
-    for p in paths:
-        path = Path(p)
+    for path in run_dirs_in(paths):
         try:
             runs.append(Run(path, load_record(path)))
         except (OSError, ValueError) as exc:
@@ -75,13 +107,30 @@ def load_runs(paths: Sequence[str | Path]) -> list[Run]:
     return runs
 
 
+def describe_workload(cfg: dict[str, Any]) -> str:
+    length = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg.get('epochs')} epoch(s)"
+    return (
+        f"{cfg['model']} on {cfg['dataset']}, {length}, global batch {cfg['global_batch_size']}, "
+        f"{cfg['optimizer']} lr {cfg['lr']}, {cfg['precision']}, seed {cfg['seed']}"
+    )
+
+
+def training_time_to(record: dict[str, Any], eval_step: int) -> float:
+    """Seconds spent in optimizer steps before the eval after step `eval_step` (evaluation excluded)."""
+    return sum(s["step_time_s"] for s in record["steps"] if s["step"] < eval_step)
+
+
 def workload_differences(runs: list[Run]) -> list[str]:
-    """One line per workload option on which the runs disagree (empty when comparable)."""
+    """One line per workload option on which the runs disagree (empty when comparable). Threads per rank
+    count too: one run with 2 threads beside another with 1 compares the thread pools, not the strategies."""
     lines = []
     for key in WORKLOAD_KEYS:
         values = {run.label: run.record["config"].get(key) for run in runs}
         if len(set(map(repr, values.values()))) > 1:
             lines.append(f"--{key.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    threads = {run.label: run.record["environment"].get("threads_per_rank") for run in runs}
+    if len(set(threads.values())) > 1:
+        lines.append("threads per rank: " + ", ".join(f"{k}={v}" for k, v in threads.items()))
     return lines
 
 
@@ -222,15 +271,27 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
             else:
                 parity.append([run.label, f"{max_relative_difference(state, base_state):.1e}"])
         sps = rec["samples_per_s"]
-        efficiency = sps / (rec["world_size"] * base_sps) if sps and base_sps else None
-        speed.append([run.label, _fmt(sps, ",.0f"), _fmt(efficiency, ".2f"), _fmt(rec["wall_time_s"], ".1f")])
+        efficiency = sps / (run.devices * base_sps) if sps and base_sps and run.devices > 1 else None
+        speed.append(
+            [
+                run.label,
+                _fmt(sps, ",.0f"),
+                _fmt(efficiency, ".2f", none="— (1 device)" if run.devices == 1 else "—"),
+                _fmt(rec.get("train_time_s"), ".1f"),
+                _fmt(rec.get("eval_time_s"), ".1f"),
+                _fmt(rec["wall_time_s"], ".1f"),
+            ]
+        )
         reached = rec["time_to_target_s"]
+        first = next((e for e in rec["evals"] if e["elapsed_s"] == reached), None) if reached else None
         target.append(
             [
                 run.label,
                 _fmt(rec["target_accuracy"]),
                 _fmt(rec["final_accuracy"], ".4f"),
                 _fmt(reached, ".1f", none="not reached" if rec["target_accuracy"] else "—"),
+                _fmt(first and first["step"]),
+                _fmt(first and training_time_to(rec, first["step"]), ".1f"),
             ]
         )
         peaks = rec["peak_memory_bytes"]
@@ -250,6 +311,7 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 f"{env['device']} ({env['device_name']})",
                 env["backend"],
                 f"{env['cpu_count']} / {env['gpu_count']}",
+                str(env.get("threads_per_rank", "—")),
                 (env["git_sha"] or "—")[:10],
                 env["hostname"],
                 run.path.name,
@@ -258,10 +320,20 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
     return {
         "Parity with single (max relative parameter difference, fp32)": (["run", "max rel. diff"], parity),
         "Throughput and scaling": (
-            ["run", "samples/s", "scaling efficiency vs single", "wall time (s)"],
+            [
+                "run",
+                "samples/s",
+                "scaling efficiency vs single",
+                "training (s)",
+                "evaluation (s)",
+                "wall time (s)",
+            ],
             speed,
         ),
-        "Time to target accuracy": (["run", "target", "final accuracy", "time to target (s)"], target),
+        "Time to target accuracy": (
+            ["run", "target", "final accuracy", "time to target (s)", "at step", "of which training (s)"],
+            target,
+        ),
         "Peak memory (MiB)": (["run", "per rank", "max"], memory),
         "Versions and environment": (
             [
@@ -271,6 +343,7 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 "device",
                 "backend",
                 "CPUs / GPUs",
+                "threads/rank",
                 "git sha",
                 "host",
                 "run dir",
@@ -317,12 +390,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
         if any(r.record.get("bubble_fraction") is not None for r in completed):
             plots["Pipeline bubble"] = plot_bars(completed, out, "bubble")
 
-    cfg = runs[0].record["config"]
-    length = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg.get('epochs')} epoch(s)"
-    workload = (
-        f"{cfg['model']} on {cfg['dataset']}, {length}, global batch {cfg['global_batch_size']}, "
-        f"{cfg['optimizer']} lr {cfg['lr']}, {cfg['precision']}, seed {cfg['seed']}"
-    )
+    # Mixed workloads have no one title: each run's workload is listed under the warning instead.
+    workload = "mixed workloads" if differences else describe_workload(runs[0].record["config"])
     failures = [[r.label, r.record.get("error") or "failed", str(r.path)] for r in runs if not r.ok]
     table_data = tables(runs)
 
@@ -330,12 +399,15 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
     if differences:
         md += ["> **These runs are different workloads; compare with care:**", ""]
         md += [f"> - {d}" for d in differences] + [""]
+        md += [f"> - {r.label}: {describe_workload(r.record['config'])}" for r in runs] + [""]
     if failures:
         md += ["## Failed runs", "", _md_table(["run", "error", "run dir"], failures), ""]
     for title, (header, rows) in table_data.items():
         md += [f"## {title}", "", _md_table(header, rows), ""]
         if title.startswith("Parity"):
             md += [PARITY_NOTE, ""]
+        if title.startswith("Time to target"):
+            md += [TARGET_NOTE, ""]
     for title, name in plots.items():
         md += [f"## {title}", "", f"![{title}]({name})", ""]
     report = out / "report.md"
@@ -344,7 +416,13 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
     parts = [f"<h1>distref comparison: {html.escape(workload)}</h1>"]
     if differences:
         parts.append(
-            "<p><b>These runs are different workloads:</b> " + html.escape("; ".join(differences)) + "</p>"
+            "<p><b>These runs are different workloads:</b> "
+            + html.escape(
+                "; ".join(
+                    [*differences, *(f"{r.label}: {describe_workload(r.record['config'])}" for r in runs)]
+                )
+            )
+            + "</p>"
         )
     if failures:
         parts += ["<h2>Failed runs</h2>", _html_table(["run", "error", "run dir"], failures)]
@@ -352,6 +430,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
         parts += [f"<h2>{html.escape(title)}</h2>", _html_table(header, rows)]
         if title.startswith("Parity"):
             parts.append(f"<p>{html.escape(PARITY_NOTE)}</p>")
+        if title.startswith("Time to target"):
+            parts.append(f"<p>{html.escape(TARGET_NOTE)}</p>")
     for title, name in plots.items():
         parts += [f"<h2>{html.escape(title)}</h2>", f'<img src="{name}" alt="{html.escape(title)}">']
     style = (
@@ -365,7 +445,9 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m distref.report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="+", help="directories holding record.json (and final.pt)")
+    parser.add_argument(
+        "run_dirs", nargs="+", help="folders holding record.json (and final.pt), or a folder of them"
+    )
     parser.add_argument("--out", required=True, help="where report.md, report.html and the plots go")
     parser.add_argument("--allow-mixed", action="store_true", help="report runs of different workloads")
     args = parser.parse_args(argv)

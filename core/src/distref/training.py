@@ -4,6 +4,7 @@ precision, loss/accuracy and evaluation. The loop itself stays in each impl's tr
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 
@@ -15,16 +16,16 @@ from distref.config import RunConfig
 from distref.data import IGNORE_INDEX
 
 
-def configure_cpu_threads(processes_on_this_machine: int = 1) -> int:
-    """Give each process its share of the cores (OMP_NUM_THREADS wins if set).
+def configure_cpu_threads() -> int:
+    """One thread per process unless OMP_NUM_THREADS says otherwise; returns the number set.
 
-    Several processes each running a full-width OpenMP pool on the same cores spin-wait against each
-    other; on a 2-core box two ranks with two threads each were 5-8× slower than with one each.
+    Measured here (lenet, 2 cores; `nox -s single-bench`, two runs): 2 threads give 1.4-1.7× on an idle
+    machine but run 2.4-2.9× slower than 1 beside one busy process, as OpenMP's spinning threads fight for
+    the cores (OMP_WAIT_POLICY=PASSIVE gains nothing idle and still loses 1.6× busy); several ranks with 2
+    threads each were 5-8× slower. One thread per process is the default that never collapses, and makes every
+    rank of every impl count the same: compare like with like. Set OMP_NUM_THREADS on a machine you own.
     """
-    if "OMP_NUM_THREADS" in os.environ:
-        threads = int(os.environ["OMP_NUM_THREADS"])
-    else:
-        threads = max(1, (os.cpu_count() or 1) // processes_on_this_machine)
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     return threads
 
@@ -62,12 +63,26 @@ def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def make_lr_schedule(cfg: RunConfig, optimizer: torch.optim.Optimizer, total: int):
-    """Step once per optimizer step. `cosine` decays from --lr to 0 over the run: with a constant lr the
-    final accuracy swings with the data order (lenet/MNIST, 2 epochs: 98.2% to 98.9% over 3 seeds)."""
-    if cfg.lr_schedule == "constant":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The lr at optimizer step `step` of a `total`-step run, as a fraction of --lr."""
+    if schedule == "constant":
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))  # cosine: from --lr to 0
+
+
+def make_lr_schedule(
+    cfg: RunConfig, optimizer: torch.optim.Optimizer, total: int, start_step: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Step once per optimizer step. The lr is a pure function of (step, run length): a resumed run builds
+    the schedule at the step it resumes from (after loading the optimizer) and has no scheduler state to
+    restore or to get wrong; a run resumed with more steps re-plans its cosine over the new length.
+
+    `cosine` (the default) decays from --lr to 0 over the run: with a constant lr the final accuracy swings
+    with the data order (lenet/MNIST, 2 epochs: 98.2% to 98.9% over 3 seeds)."""
+    # last_epoch = start_step - 1: the scheduler's own first step sets the lr of step `start_step`.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(cfg.lr_schedule, step, total), last_epoch=start_step - 1
+    )
 
 
 def autocast(cfg: RunConfig, device: torch.device):

@@ -8,6 +8,7 @@ import torch
 
 from conftest import (
     PARITY_TOLERANCE,
+    expected_time_to_target,
     load_train_module,
     max_relative_difference,
     mnist_convergence_args,
@@ -31,6 +32,28 @@ def test_parity_with_single(grad_accum, dataparallel_train, single_reference, tm
     reference = single_reference("lenet", grad_accum)
     final = torch.load(tmp_path / "dp.pt", weights_only=True)
     assert list(final) == list(reference)  # no "module." prefix: the core model's own keys
+    assert max_relative_difference(final, reference) < PARITY_TOLERANCE
+
+
+def test_parity_with_single_for_a_model_with_batchnorm(dataparallel_train, single_train, tmp_path):
+    """resnet18: parameters and BatchNorm buffers (running statistics, num_batches_tracked) alike."""
+    args = [
+        "--model",
+        "resnet18",
+        "--dataset",
+        "digits",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--steps",
+        "4",
+    ]
+    args += ["--global-batch-size", "16", "--eval-every", "100"]
+    single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
+    dataparallel_train.main([*args, "--save-final", str(tmp_path / "dp.pt")])
+    final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("dp", "single"))
+    assert int(final["stem.1.num_batches_tracked"]) == 4
     assert max_relative_difference(final, reference) < PARITY_TOLERANCE
 
 
@@ -104,7 +127,7 @@ def test_checkpoint_resume_and_record(dataparallel_train, tmp_path):
 def test_lenet_reaches_98_5_percent_on_real_mnist(dataparallel_train, mnist_root):
     record = dataparallel_train.main(mnist_convergence_args(mnist_root))
     assert record["final_accuracy"] >= 0.985, record["evals"]
-    assert record["time_to_target_s"] is not None
+    assert record["time_to_target_s"] == expected_time_to_target(record) > 0
 
 
 @pytest.mark.gpu
