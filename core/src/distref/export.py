@@ -74,7 +74,7 @@ hardware, write your torch build (and its torchvision) into it first.
 
 ```bash
 python3 -m venv .venv && . .venv/bin/activate
-pip install -c constraints.txt torch                   # all that --dataset synthetic needs
+pip install -c constraints.txt -e .                    # torch (pinned) and the vendored core
 python train.py --dataset synthetic --steps 50{launch}
 pip install -c constraints.txt torchvision numpy tqdm  # real MNIST, resnet18, progress bars
 pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorboard
@@ -142,7 +142,12 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
 
     # 3. a pyproject that needs nothing from this repo
     deps = [d for d in impl_project["project"].get("dependencies", []) if not d.startswith("distref")]
-    (dest / "pyproject.toml").write_text(f'''[project]
+    deps.append("numpy")  # train.py runs without it, but torch warns at every import when it is missing
+    (dest / "pyproject.toml").write_text(f'''[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
 name = "{impl_project["project"]["name"]}"
 version = "{stamp["impl_version"]}"
 description = "{impl_project["project"].get("description", "")}"
@@ -154,6 +159,14 @@ dependencies = {json.dumps(deps)}
 vision = ["torchvision", "numpy"]
 extras = ["tqdm", "tensorboard", "scikit-learn"]
 test = ["pytest", "hypothesis", "torchvision", "numpy", "scikit-learn", "tensorboard", "jsonschema"]
+
+# `pip install -c constraints.txt -e .` installs the vendored core; train.py, baseline/ and tests/ run
+# from this folder.
+[tool.setuptools]
+packages = ["{package}"]
+
+[tool.setuptools.package-data]
+{package} = ["*.json"]
 
 [tool.distref]
 launcher = "{impl_project.get("tool", {}).get("distref", {}).get("launcher", "python")}"

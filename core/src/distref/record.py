@@ -227,8 +227,8 @@ def load_record(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def print_summary(data: dict[str, Any], file=sys.stdout) -> None:
-    """One line for the console at the end of a run."""
+def print_summary(data: dict[str, Any], file=None) -> None:
+    """One line for the console at the end of a run (to sys.stdout as it is now, not at import)."""
     acc, sps, ttt = data["final_accuracy"], data["samples_per_s"], data["time_to_target_s"]
     parts = [
         f"{data['impl']['name']} {data['impl']['version']}: {data['status']}",
@@ -240,4 +240,4 @@ def print_summary(data: dict[str, Any], file=sys.stdout) -> None:
     if data["target_accuracy"] is not None:
         reached = f"at {ttt:.1f}s" if ttt is not None else "not reached"
         parts.append(f"target {data['target_accuracy']} {reached}")
-    print(" | ".join(parts), file=file)
+    print(" | ".join(parts), file=file or sys.stdout)

@@ -149,10 +149,11 @@ def test_plain_python_starts_the_ranks_itself_with_the_same_result(single_refere
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
     result = python_train(["--nproc-per-node", "3", "--dataset", "synthetic", "--global-batch-size", "8"])
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+    assert result.stderr.splitlines()[-1:] == [  # (torch may warn before it, where numpy is missing)
         "ddp/train.py: error: --global-batch-size 8 must be divisible by world size × --grad-accum "
         "= 3 × 1 = 3"
     ]
+    assert "Traceback" not in result.stderr
     assert "starting" not in result.stdout  # no rank was started
 
 
@@ -211,7 +212,8 @@ def test_batchnorm_model_is_evaluated_with_rank_0s_statistics(tmp_path):
 def test_static_graph_with_grad_accum_is_refused_in_one_line(capsys):
     ddp = load_train_module("ddp")
     with pytest.raises(SystemExit) as exc:
-        parse_config(["--static-graph", "--grad-accum", "2"], "ddp", ddp.add_options, 2, ddp.check_options)
+        argv = ["--dataset", "synthetic", "--static-graph", "--grad-accum", "2"]
+        parse_config(argv, "ddp", ddp.add_options, 2, ddp.check_options)
     assert exc.value.code == 2
     assert capsys.readouterr().err == (
         "ddp/train.py: error: --static-graph cannot be combined with --grad-accum > 1 (no_sync) in torch "
