@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,52 @@ def run_script(args: list[str], env: dict | None = None, timeout: float = 300, c
 def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return run_script([*cmd, str(train_path(impl)), *args], **kwargs)
+
+
+# ---- killing a rank (the fault tests of every multi-process impl) ------------------------------------
+
+
+def worker_pid(marker: str, rank: int, deadline: float) -> int:
+    """PID of the training process of `rank` whose command line contains `marker`."""
+    while time.time() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            is_worker = "train.py" in cmdline and "torch.distributed.run" not in cmdline
+            if is_worker and marker in cmdline and f"RANK={rank}".encode() in environ:
+                return int(entry.name)
+        time.sleep(0.1)
+    raise TimeoutError(f"no rank {rank} worker for {marker}")
+
+
+def start_and_kill_rank1(train: str, args: list[str], ckpt_dir: Path, max_restarts: int):
+    """Start a 2-rank torchrun job of `train`, SIGKILL rank 1 once a checkpoint exists; return (process,
+    the time of the kill)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        train,
+        *args,
+    ]
+    from distref.checkpoint import latest_checkpoint
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.time() + 120
+    while latest_checkpoint(ckpt_dir) is None:
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.kill(worker_pid(str(ckpt_dir), 1, deadline), signal.SIGKILL)
+    return proc, time.time()
 
 
 # ---- the proof every impl gives (README): parity with single, and a convergence target --------------

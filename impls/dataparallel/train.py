@@ -47,6 +47,7 @@ from distref.training import (
     make_grad_scaler,
     make_lr_schedule,
     make_optimizer,
+    model_state_bytes,
     pick_device,
     seed_everything,
     synchronize,
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     tb = tensorboard_writer(cfg, enabled=True)
     pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
     pending_times: list[float] = []
+    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     try:
         with profiler(cfg, rank=0) as prof:
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
                 scaler.step(optimizer)
                 scaler.update()
                 scheduler.step()
+                if state_bytes is None:
+                    state_bytes = model_state_bytes(model.parameters(), optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 synchronize(device)
                 pending_times.append(time.perf_counter() - t0)
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DataParallel: peak memory of every GPU it used (GPU 0 carries the gathers, loss and optimizer)
     peaks = [peak_memory_bytes(torch.device("cuda", i)) for i in gpu_ids] or [peak_memory_bytes(device)]
-    record.finish(cfg.global_batch_size, peaks)
+    record.finish(cfg.global_batch_size, peaks, [state_bytes])
     print_summary(record.data)
     return record.data
 

@@ -55,6 +55,7 @@ from distref.training import (
     make_grad_scaler,
     make_lr_schedule,
     make_optimizer,
+    model_state_bytes,
     pick_device,
     seed_everything,
     synchronize,
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     tb = tensorboard_writer(cfg, enabled=is_main)
     pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
     pending_times: list[float] = []
+    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     try:
         with profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
                 scaler.step(optimizer)
                 scaler.update()
                 scheduler.step()
+                if state_bytes is None:
+                    state_bytes = model_state_bytes(model.parameters(), optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 synchronize(device)
                 pending_times.append(time.perf_counter() - t0)
@@ -321,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
     # --- DDP: peak memory of every rank, gathered to rank 0 ---
     peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor(peak_memory_bytes(device), device=device))
-    record.finish(cfg.global_batch_size, [int(p) for p in peaks])
+    states = [None] * world_size  # --- DDP: and every rank's model-state bytes (a full replica each)
+    dist.all_gather_object(states, state_bytes)
+    record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
     if is_main:
         print_summary(record.data)
     return record.data

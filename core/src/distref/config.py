@@ -274,11 +274,14 @@ def parse_config(
     check: Callable[[RunConfig, int], str | None] | None = None,
     description: str | None = None,
     distributed: bool = False,
+    splits_batch: bool = True,
 ) -> RunConfig:
     """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2.
 
     `world_size` defaults to 1, or for a `distributed` impl to torchrun's WORLD_SIZE under torchrun and
-    to the ranks `--nproc-per-node` asks for otherwise (the launcher validates before starting any)."""
+    to the ranks `--nproc-per-node` asks for otherwise (the launcher validates before starting any).
+    `splits_batch=False` is for impls whose ranks all see the whole batch (model parallel): the global
+    batch then only has to divide into --grad-accum micro-batches."""
     parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
@@ -297,7 +300,8 @@ def parse_config(
     elif world_size is None and distributed:
         world_size = launch["nproc_per_node"] or default_ranks(cfg)
         cfg.extra.update(nproc_per_node=world_size, max_restarts=launch["max_restarts"])
-    problem = validate(cfg, world_size or 1) or (check(cfg, world_size or 1) if check else None)
+    shards = (world_size or 1) if splits_batch else 1
+    problem = validate(cfg, shards) or (check(cfg, world_size or 1) if check else None)
     if problem:
         parser.error(problem)
     return cfg

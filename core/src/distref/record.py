@@ -105,6 +105,8 @@ class RunRecord:
             "train_time_s": None,
             "eval_time_s": None,
             "peak_memory_bytes": [],
+            "model_state_bytes": [],
+            "strategy": {},
             "target_accuracy": cfg.target_accuracy,
             "time_to_target_s": None,
             "final_accuracy": None,
@@ -158,7 +160,12 @@ class RunRecord:
         ]
         self.data["time_to_target_s"] = reached[0] if reached else None
 
-    def finish(self, global_batch_size: int, peak_memory_per_rank: list[int]) -> None:
+    def finish(
+        self,
+        global_batch_size: int,
+        peak_memory_per_rank: list[int],
+        model_state_per_rank: list[dict[str, int] | None] | None = None,
+    ) -> None:
         steps = self.data["steps"]
         timed = [row["step_time_s"] for row in steps[1:]]  # step 0 pays for warm-up (allocations, caches)
         if timed and sum(timed) > 0:
@@ -166,6 +173,7 @@ class RunRecord:
         self.data["train_time_s"] = sum(row["step_time_s"] for row in steps)
         self.data["eval_time_s"] = sum(e.get("eval_time_s", 0.0) for e in self.data["evals"])
         self.data["peak_memory_bytes"] = [int(m) for m in peak_memory_per_rank]
+        self.data["model_state_bytes"] = [s for s in model_state_per_rank or [] if s is not None]
         self.data["status"] = "completed"
         self.write()
 

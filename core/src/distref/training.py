@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import random
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -104,10 +105,23 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
+def score(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[loss sum, correct predictions, scored targets] of one batch, as a float64 tensor on the logits'
+    device: sums, so that batches, shards and ranks add up (and all-reduce in one call)."""
+    flat_logits, flat_targets = logits.flatten(0, -2).float(), targets.flatten()
+    scored = flat_targets != IGNORE_INDEX
+    return torch.stack(
+        [
+            F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum").double(),
+            (flat_logits.argmax(-1) == flat_targets)[scored].sum().double(),
+            scored.sum().double(),
+        ]
+    )
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, device: torch.device, cfg: RunConfig) -> torch.Tensor:
-    """Sum of loss, correct predictions and scored targets over `batches`, as one float64 tensor
-    [loss_sum, correct, count] on `device`, so that ranks can all-reduce it in one call."""
+    """Sum of `score` over `batches`: [loss_sum, correct, count] as one float64 tensor on `device`."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -115,13 +129,27 @@ def evaluate(model: nn.Module, batches, device: torch.device, cfg: RunConfig) ->
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(cfg, device):
             logits = model(x)
-        flat_logits, flat_y = logits.flatten(0, -2).float(), y.flatten()
-        scored = flat_y != IGNORE_INDEX
-        totals[0] += F.cross_entropy(flat_logits, flat_y, ignore_index=IGNORE_INDEX, reduction="sum")
-        totals[1] += (flat_logits.argmax(-1) == flat_y)[scored].sum()
-        totals[2] += scored.sum()
+        totals += score(logits, y)
     model.train(was_training)
     return totals
+
+
+def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of model state held for `parameters`, measured on the tensors: the parameters, their
+    gradients and their optimizer state (AdamW: two moments and a step count per tensor). Call once
+    both exist (after an optimizer step, before zero_grad). Communication buffers (DDP's buckets) and
+    activations are not model state: peak memory covers them."""
+    params = list(parameters)
+    return {
+        "parameters": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer": sum(
+            t.numel() * t.element_size()
+            for p in params
+            for t in optimizer.state.get(p, {}).values()
+            if torch.is_tensor(t)
+        ),
+    }
 
 
 def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,10 +25,10 @@ from conftest import (
     parity_args,
     run_script,
     score,
+    start_and_kill_rank1,
     torchrun,
     train_path,
 )
-from distref.checkpoint import latest_checkpoint
 from distref.config import parse_config
 
 TRAIN = str(train_path("ddp"))
@@ -314,46 +312,6 @@ ELASTIC = [
 ]
 
 
-def worker_pid(marker: str, rank: int, deadline: float) -> int:
-    """PID of the training process of `rank` whose command line contains `marker`."""
-    while time.time() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            is_worker = "train.py" in cmdline and "torch.distributed.run" not in cmdline
-            if is_worker and marker in cmdline and f"RANK={rank}".encode() in environ:
-                return int(entry.name)
-        time.sleep(0.1)
-    raise TimeoutError(f"no rank {rank} worker for {marker}")
-
-
-def start_and_kill_rank1(args: list[str], ckpt_dir: Path, max_restarts: int):
-    """Start a 2-rank job, kill rank 1 with SIGKILL once a checkpoint exists; return (process, kill time)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={max_restarts}",
-        TRAIN,
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    deadline = time.time() + 120
-    while latest_checkpoint(ckpt_dir) is None:
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.kill(worker_pid(str(ckpt_dir), 1, deadline), signal.SIGKILL)
-    return proc, time.time()
-
-
 @pytest.mark.slow
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     run_ddp(
@@ -361,6 +319,7 @@ def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     )
     ckpt_dir = tmp_path / "elastic"
     proc, _ = start_and_kill_rank1(
+        TRAIN,
         [
             *ELASTIC,
             "--checkpoint-dir",
@@ -386,7 +345,7 @@ def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
 @pytest.mark.slow
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    proc, killed_at = start_and_kill_rank1([*ELASTIC, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0)
+    proc, killed_at = start_and_kill_rank1(TRAIN, [*ELASTIC, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0)
     _, stderr = proc.communicate(timeout=120)
     assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
     assert proc.returncode != 0

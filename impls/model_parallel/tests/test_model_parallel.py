@@ -1,0 +1,233 @@
+"""impls/model_parallel proven equal to impls/single — bit for bit — converging, and surviving a killed rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import (
+    expected_time_to_target,
+    max_relative_difference,
+    mnist_convergence_args,
+    parity_args,
+    run_script,
+    score,
+    start_and_kill_rank1,
+    torchrun,
+    train_path,
+)
+
+TRAIN = str(train_path("model_parallel"))
+# A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
+TIMEOUT = ["--timeout", "60"]
+
+
+def python_train(args: list[str], timeout: float = 300):
+    """`python impls/model_parallel/train.py ARGS`: one process per part is started by the file itself."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "MASTER_ADDR", "RANK", "WORLD_SIZE")
+    }
+    return run_script([sys.executable, TRAIN, *TIMEOUT, *args], env=env, timeout=timeout)
+
+
+def run_mp(args: list[str], timeout: float = 300):
+    result = python_train(args, timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+# Every part computes exactly what single computes for its blocks, in the same order, and the loss
+# scales all parts' gradients as single's does: equal to single bit for bit, not merely within 1e-5 —
+# with --grad-accum K, to single --grad-accum K (the same micro-batch sums).
+@pytest.mark.parametrize(
+    ("model", "form", "grad_accum"),
+    [
+        ("lenet", ["--nproc-per-node", "2"], 1),
+        ("lenet", ["--nproc-per-node", "4"], 2),
+        ("gpt", ["--nproc-per-node", "2"], 2),
+        ("gpt", ["--nproc-per-node", "4"], 1),
+        ("lenet", ["--devices", "cpu,cpu"], 2),
+        ("gpt", ["--devices", "cpu,cpu,cpu,cpu"], 1),
+    ],
+    ids=[
+        "lenet-2-ranks",
+        "lenet-4-ranks-accum",
+        "gpt-2-ranks-accum",
+        "gpt-4-ranks",
+        "lenet-2-devices-accum",
+        "gpt-4-devices",
+    ],
+)
+def test_bit_identical_to_single(model, form, grad_accum, single_reference, tmp_path):
+    final = tmp_path / "final.pt"
+    run_mp([*form, *parity_args(model), "--grad-accum", str(grad_accum), "--save-final", str(final)])
+    saved = torch.load(final, weights_only=True)
+    reference = single_reference(model, grad_accum)
+    assert list(saved) == list(reference)  # the core model's keys, in its order: gathered from every part
+    assert max_relative_difference(saved, reference) == 0.0
+
+
+def test_record_is_single_s_record_plus_the_partition(single_train, tmp_path):
+    """Losses and accuracies from the last part equal single's exactly; the record carries the partition,
+    each rank's model state (its own part only), the bytes each rank sends and its busy fraction."""
+    args = [*parity_args("lenet"), "--eval-every", "10"]
+    run_mp(
+        [
+            "--nproc-per-node",
+            "2",
+            *args,
+            "--out",
+            str(tmp_path / "mp"),
+            "--save-final",
+            str(tmp_path / "f.pt"),
+        ]
+    )
+    single = single_train.main([*args, "--out", str(tmp_path / "single")])
+    record = json.loads((tmp_path / "mp" / "record.json").read_text())
+    assert [s["loss"] for s in record["steps"]] == [s["loss"] for s in single["steps"]]
+    assert [e["accuracy"] for e in record["evals"]] == [e["accuracy"] for e in single["evals"]]
+    assert record["final_accuracy"] == score(tmp_path / "f.pt", args)
+    assert record["world_size"] == record["devices"] == 2
+    assert record["strategy"]["cut_points"] == [2]  # balanced: conv1+conv2 5,280 | fc1+fc2 16,560
+    assert record["strategy"]["parts"] == [["conv1", "conv2"], ["fc1", "fc2"]]
+    params = [s["parameters"] for s in record["model_state_bytes"]]
+    assert params == [5280 * 4, 16560 * 4]  # each rank holds its own part only
+    assert [s["gradients"] for s in record["model_state_bytes"]] == params
+    # Per micro-batch of 32: rank 0 sends conv2's output (32×20×4×4 fp32) after a 64-byte header, rank 1
+    # sends its gradient back.
+    assert record["strategy"]["bytes_sent_per_step"] == [32 * 320 * 4 + 64, 32 * 320 * 4]
+    assert all(0 < f <= 1 for f in record["strategy"]["busy_fraction"])
+    assert len(record["peak_memory_bytes"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc-per-node", "5"], "5 parts but --model lenet has only 4 blocks"),
+        (
+            ["--nproc-per-node", "3", "--partition", "3,1"],
+            "--partition 3,1: cut points must increase strictly within 1..3",
+        ),
+        (
+            ["--nproc-per-node", "2", "--partition", "4"],
+            "--partition 4: cut points must increase strictly within 1..3",
+        ),
+        (
+            ["--nproc-per-node", "3", "--partition", "2"],
+            "--partition 2 makes 2 parts, but there are 3 ranks/devices",
+        ),
+        (["--devices", "gpu:0,gpu:1"], "--devices gpu:0,gpu:1: unknown device"),
+        (["--devices", "cpu:0,cpu:1"], "there is one CPU device in torch; use cpu,cpu"),
+        (["--nproc-per-node", "2", "--precision", "fp16", "--device", "cpu"], "--precision fp16 needs CUDA"),
+    ]
+    + ([] if torch.cuda.device_count() >= 2 else [(["--devices", "cuda:0,cuda:1"], "needs 2 CUDA devices")]),
+)
+def test_bad_input_is_one_line_before_any_process(args, message):
+    result = python_train(["--dataset", "synthetic", *args])
+    assert result.returncode == 2, result.stderr
+    last_line = result.stderr.splitlines()[-1]
+    assert last_line.startswith("model_parallel/train.py: error: ") and message in last_line
+    assert result.stderr.count("error:") == 1 and "starting" not in result.stdout  # no rank was started
+
+
+def test_a_checkpoint_cut_elsewhere_is_refused(tmp_path):
+    ckpt = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"]
+    run_mp(
+        [
+            "--nproc-per-node",
+            "3",
+            "--dataset",
+            "synthetic",
+            "--steps",
+            "4",
+            "--global-batch-size",
+            "16",
+            *ckpt,
+        ]
+    )
+    again = ["--nproc-per-node", "3", "--partition", "1,3", "--dataset", "synthetic", "--steps", "8"]
+    result = python_train([*again, "--global-batch-size", "16", "--resume", "auto", *ckpt])
+    assert result.returncode == 1
+    assert result.stderr.count("was cut at [2, 3], this run at [1, 3]") >= 1
+
+
+@pytest.mark.slow
+def test_lenet_reaches_98_5_percent_on_real_mnist_with_2_parts(mnist_root, tmp_path):
+    run_mp(
+        ["--nproc-per-node", "2", *mnist_convergence_args(mnist_root), "--out", str(tmp_path)], timeout=900
+    )
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["final_accuracy"] >= 0.985, record["evals"]
+    assert record["time_to_target_s"] == expected_time_to_target(record) > 0
+
+
+ELASTIC = [
+    "--model",
+    "lenet",
+    "--dataset",
+    "synthetic",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.01",
+    "--steps",
+    "300",
+]
+ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume", "auto", *TIMEOUT]
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
+    straight = tmp_path / "straight.pt"
+    result = torchrun(
+        2,
+        "model_parallel",
+        [*ELASTIC, "--checkpoint-dir", str(tmp_path / "a"), "--save-final", str(straight)],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpt_dir = tmp_path / "elastic"
+    args = [
+        *ELASTIC,
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--save-final",
+        str(tmp_path / "b.pt"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    proc, _ = start_and_kill_rank1(TRAIN, args, ckpt_dir, 1)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "model_parallel: resumed from" in stdout
+    restarted = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert max_relative_difference(restarted, torch.load(straight, weights_only=True)) == 0.0
+    record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert record["status"] == "completed" and [s["step"] for s in record["steps"]] == list(range(300))
+
+
+@pytest.mark.slow
+def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    proc, killed_at = start_and_kill_rank1(TRAIN, [*ELASTIC, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0)
+    _, stderr = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
+    assert proc.returncode != 0
+    assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs: one part per GPU")
+@pytest.mark.parametrize(
+    "form", [["--nproc-per-node", "2", "--device", "cuda"], ["--devices", "cuda:0,cuda:1"]]
+)
+def test_both_forms_on_two_gpus_match_single(form, single_train, tmp_path):
+    args = [*parity_args("lenet"), "--device", "cuda"]
+    single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
+    run_mp([*form, *parity_args("lenet"), "--save-final", str(tmp_path / "mp.pt")])
+    final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("mp", "single"))
+    assert max_relative_difference(final, reference) < 1e-5  # GPU kernels may sum in another order
