@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import signal
@@ -94,6 +95,41 @@ def start_and_kill_rank1(train: str, args: list[str], ckpt_dir: Path, max_restar
         time.sleep(0.05)
     os.kill(worker_pid(str(ckpt_dir), 1, deadline), signal.SIGKILL)
     return proc, time.time()
+
+
+def check_killed_rank_resumes_exactly(impl: str, args: list[str], steps: int, tmp_path: Path) -> None:
+    """Every multi-process impl: rank 1 SIGKILLed under `torchrun --max-restarts 1` (with checkpoints and
+    `--resume auto` in `args`) resumes from the last checkpoint and ends bit-identical to an uninterrupted
+    run, with a record of all `steps` steps."""
+    straight = torchrun(
+        2, impl, [*args, "--checkpoint-dir", str(tmp_path / "a"), "--save-final", str(tmp_path / "a.pt")]
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ckpt_dir = tmp_path / "elastic"
+    resumed = [*args, "--checkpoint-dir", str(ckpt_dir), "--save-final", str(tmp_path / "b.pt")]
+    proc, _ = start_and_kill_rank1(
+        str(train_path(impl)), [*resumed, "--out", str(tmp_path / "out")], ckpt_dir, 1
+    )
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"{impl}: resumed from" in stdout  # the second attempt continued from a checkpoint
+    a, b = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in "ab")
+    assert max_relative_difference(b, a) == 0.0  # bit-identical
+    record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert record["status"] == "completed" and [s["step"] for s in record["steps"]] == list(range(steps))
+
+
+def check_killed_rank_ends_the_job(impl: str, args: list[str], tmp_path: Path) -> None:
+    """Every multi-process impl: without restarts, a SIGKILLed rank ends the job within 60 s, and
+    torchrun's report names it."""
+    ckpt_dir = tmp_path / "ckpt"
+    proc, killed_at = start_and_kill_rank1(
+        str(train_path(impl)), [*args, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0
+    )
+    _, stderr = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
+    assert proc.returncode != 0
+    assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]  # torchrun's failure report
 
 
 # ---- the proof every impl gives (README): parity with single, and a convergence target --------------

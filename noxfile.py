@@ -38,9 +38,14 @@ def install_core(session: nox.Session, *extra: str) -> None:
     session.run("python", str(ROOT / "ci" / "torchvision_cpu_shim.py"))
 
 
-def impl_launcher(impl: str) -> str:
+def impl_settings(impl: str) -> dict:
+    """The impl's [tool.distref]: launcher ("python" or "torchrun"), min_gpus for its -gpu session."""
     with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
-        return tomllib.load(f).get("tool", {}).get("distref", {}).get("launcher", "python")
+        return tomllib.load(f).get("tool", {}).get("distref", {})
+
+
+def impl_launcher(impl: str) -> str:
+    return impl_settings(impl).get("launcher", "python")
 
 
 def cuda_device_count(session: nox.Session) -> int:
@@ -52,6 +57,8 @@ def run_impl(session: nox.Session, impl: str, device: str) -> None:
     gpus = cuda_device_count(session)
     if device == "cuda" and gpus == 0:
         session.skip(f"{impl}-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
+    if device == "cuda" and gpus < (needed := impl_settings(impl).get("min_gpus", 1)):
+        session.skip(f"{impl}-gpu: needs {needed} CUDA devices (one per part or rank), {gpus} visible")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = ROOT / "runs" / f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}" / stamp
     defaults = {

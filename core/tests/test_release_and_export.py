@@ -69,11 +69,12 @@ def test_build_outputs_are_not_behaviour_but_new_files_are(in_git, tmp_path):
 
 
 def torch_only_python(tmp: Path) -> Path:
-    """A fresh venv that sees torch and its own dependencies, nothing else (no distref, no numpy)."""
+    """A fresh venv that sees what an exported project depends on — torch and numpy (torch's object
+    collectives need it) with their own dependencies — and nothing else: no distref, no torchvision."""
     farm = tmp / "torch-only-site"
     farm.mkdir()
     site = Path(torch.__file__).parents[1]
-    todo, seen = ["torch"], set()
+    todo, seen = ["torch", "numpy"], set()
     while todo:
         dist = importlib.metadata.distribution(todo.pop())
         name = dist.metadata["Name"].lower()
@@ -101,14 +102,14 @@ def fresh_python(tmp_path_factory):
             "-E",
             "-c",
             "import torch, importlib.util as u; "
-            "print(torch.__version__, u.find_spec('distref'), u.find_spec('numpy'))",
+            "print(torch.__version__, u.find_spec('distref'), u.find_spec('torchvision'))",
         ],
         capture_output=True,
         text=True,
         cwd="/",
     )
     assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.split()[1:] == ["None", "None"]  # no monorepo, no numpy: torch alone
+    assert probe.stdout.split()[1:] == ["None", "None"]  # no monorepo, no torchvision: the dependencies alone
     return python
 
 
@@ -163,7 +164,6 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
     without_torchvision = run_exported("--dataset", "mnist")
     assert without_torchvision.returncode == 2
-    # (torch itself may warn first that numpy is missing: this venv has none)
     assert without_torchvision.stderr.splitlines()[-1] == (
         f"{impl}/train.py: error: --dataset mnist needs torchvision: pip install torchvision (pinned with "
         "torch), or use --dataset synthetic"

@@ -146,6 +146,12 @@ def test_report_states_evaluation_apart_and_a_single_device_as_such(compared, tm
     ddp_row = next(line for line in speed.splitlines() if line.startswith("| ddp ×2"))
     assert ddp_row.split("|")[4].strip() == f"{ddp['train_time_s']:.1f}"
     assert ddp_row.split("|")[5].strip() == f"{ddp['eval_time_s']:.1f}"
+    state = report.split("## Model state per rank")[1].split("##")[0]
+    kib = [sum(r.values()) / 1024 for r in ddp["model_state_bytes"]]
+    assert (
+        f"| ddp ×2 | 0 | 85.3 | 85.3 | 170.7 | {kib[0]:,.1f} |" in state
+    )  # lenet + AdamW: 4 + 4 + 8 B/param
+    assert "| ddp ×2 | 1 |" in state
     target = report.split("## Time to target accuracy")[1].split("##")[0]
     assert "evaluation and start-up included, as MLPerf counts it" in target
     first = next(e for e in ddp["evals"] if e["accuracy"] >= ddp["target_accuracy"])
@@ -240,8 +246,9 @@ def test_unknown_impl_is_one_line():
         [sys.executable, "-m", "distref.compare", "--impls-dir", str(ROOT / "impls"), "--impls", "ddp,fsdp9"]
     )
     assert result.returncode == 2
+    available = ", ".join(sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py")))
     assert result.stderr.strip().splitlines() == [
-        "python -m distref.compare: error: unknown impl(s) fsdp9; available: dataparallel, ddp, single"
+        f"python -m distref.compare: error: unknown impl(s) fsdp9; available: {available}"
     ]
 
 

@@ -325,8 +325,13 @@ def main(argv: list[str] | None = None) -> dict:
     # --- DDP: peak memory of every rank, gathered to rank 0 ---
     peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor(peak_memory_bytes(device), device=device))
-    states = [None] * world_size  # --- DDP: and every rank's model-state bytes (a full replica each)
-    dist.all_gather_object(states, state_bytes)
+    # --- DDP: and every rank's model-state bytes (a full replica each), as [parameters, gradients, optimizer]
+    kinds = ("parameters", "gradients", "optimizer")
+    held = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(
+        held, torch.tensor([state_bytes[k] for k in kinds] if state_bytes else [0, 0, 0], device=device)
+    )
+    states = [dict(zip(kinds, h.tolist(), strict=True)) if state_bytes else None for h in held]
     record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
     if is_main:
         print_summary(record.data)

@@ -9,8 +9,9 @@ rewritten to it — so DEST runs without this repo, and never clashes with an in
 come with their fixtures (conftest.py) and, as the parity oracle, impls/single/train.py under
 `baseline/single/`. Versions are stamped in DEST/pyproject.toml and `distref_<impl>.EXPORTED_FROM`.
 
-DEST needs only torch to train with `--dataset synthetic`: torchvision, numpy, tqdm, scikit-learn and
-tensorboard are imported only by the datasets, models and options that use them.
+DEST needs torch and numpy (torch's object collectives use it) to train with `--dataset synthetic`:
+torchvision, tqdm, scikit-learn and tensorboard are imported only by the datasets, models and options
+that use them.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
 
     # 3. a pyproject that needs nothing from this repo
     deps = [d for d in impl_project["project"].get("dependencies", []) if not d.startswith("distref")]
-    deps.append("numpy")  # train.py runs without it, but torch warns at every import when it is missing
+    deps.append("numpy")  # torch's object collectives (gather_object) need it; torch warns without it
     (dest / "pyproject.toml").write_text(f'''[build-system]
 requires = ["setuptools>=68"]
 build-backend = "setuptools.build_meta"

@@ -257,7 +257,7 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
     baseline = next((r for r in runs if r.impl == "single" and r.ok), None)
     base_state = baseline.final_state() if baseline else None
     base_sps = baseline.record["samples_per_s"] if baseline else None
-    parity, speed, target, memory, state, versions = [], [], [], [], [], []
+    parity, speed, target, memory, held, versions = [], [], [], [], [], []
     for run in runs:
         rec = run.record
         if not run.ok:
@@ -302,9 +302,9 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 _fmt(max(peaks) / 2**20 if peaks else None, ",.0f"),
             ]
         )
-        for rank, held in enumerate(rec.get("model_state_bytes") or []):
-            kib = [held["parameters"] / 1024, held["gradients"] / 1024, held["optimizer"] / 1024]
-            state.append([run.label, str(rank), *(f"{k:,.1f}" for k in kib), f"{sum(kib):,.1f}"])
+        for rank, rank_state in enumerate(rec.get("model_state_bytes") or []):
+            kib = [rank_state[k] / 1024 for k in ("parameters", "gradients", "optimizer")]
+            held.append([run.label, str(rank), *(f"{k:,.1f}" for k in kib), f"{sum(kib):,.1f}"])
         env = rec["environment"]
         versions.append(
             [
@@ -340,7 +340,7 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
         "Peak memory (MiB)": (["run", "per rank", "max"], memory),
         "Model state per rank (KiB, measured after the first step)": (
             ["run", "rank", "parameters", "gradients", "optimizer", "total"],
-            state,
+            held,
         ),
         "Versions and environment": (
             [

@@ -8,7 +8,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ from conftest import (
     DATA_ROOT,
     PARITY_TOLERANCE,
     ROOT,
+    check_killed_rank_ends_the_job,
+    check_killed_rank_resumes_exactly,
     counting_block_calls,
     expected_time_to_target,
     load_train_module,
@@ -25,7 +26,6 @@ from conftest import (
     parity_args,
     run_script,
     score,
-    start_and_kill_rank1,
     torchrun,
     train_path,
 )
@@ -314,42 +314,12 @@ ELASTIC = [
 
 @pytest.mark.slow
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
-    run_ddp(
-        2, [*ELASTIC, "--checkpoint-dir", str(tmp_path / "straight"), "--save-final", str(tmp_path / "a.pt")]
-    )
-    ckpt_dir = tmp_path / "elastic"
-    proc, _ = start_and_kill_rank1(
-        TRAIN,
-        [
-            *ELASTIC,
-            "--checkpoint-dir",
-            str(ckpt_dir),
-            "--save-final",
-            str(tmp_path / "b.pt"),
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        ckpt_dir,
-        1,
-    )
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "ddp: resumed from" in stdout  # the second attempt continued from a checkpoint
-    straight = torch.load(tmp_path / "a.pt", weights_only=True)
-    restarted = torch.load(tmp_path / "b.pt", weights_only=True)
-    assert max_relative_difference(restarted, straight) == 0.0  # bit-identical
-    record = json.loads((tmp_path / "out" / "record.json").read_text())
-    assert record["status"] == "completed" and [s["step"] for s in record["steps"]] == list(range(400))
+    check_killed_rank_resumes_exactly("ddp", ELASTIC, 400, tmp_path)
 
 
 @pytest.mark.slow
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    proc, killed_at = start_and_kill_rank1(TRAIN, [*ELASTIC, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0)
-    _, stderr = proc.communicate(timeout=120)
-    assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
-    assert proc.returncode != 0
-    assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]  # torchrun's failure report
+    check_killed_rank_ends_the_job("ddp", ELASTIC, tmp_path)
 
 
 def free_port() -> int:

@@ -5,20 +5,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
 
 from conftest import (
+    check_killed_rank_ends_the_job,
+    check_killed_rank_resumes_exactly,
     expected_time_to_target,
     max_relative_difference,
     mnist_convergence_args,
     parity_args,
     run_script,
     score,
-    start_and_kill_rank1,
-    torchrun,
     train_path,
 )
 
@@ -183,41 +182,12 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 
 @pytest.mark.slow
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
-    straight = tmp_path / "straight.pt"
-    result = torchrun(
-        2,
-        "model_parallel",
-        [*ELASTIC, "--checkpoint-dir", str(tmp_path / "a"), "--save-final", str(straight)],
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ckpt_dir = tmp_path / "elastic"
-    args = [
-        *ELASTIC,
-        "--checkpoint-dir",
-        str(ckpt_dir),
-        "--save-final",
-        str(tmp_path / "b.pt"),
-        "--out",
-        str(tmp_path / "out"),
-    ]
-    proc, _ = start_and_kill_rank1(TRAIN, args, ckpt_dir, 1)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "model_parallel: resumed from" in stdout
-    restarted = torch.load(tmp_path / "b.pt", weights_only=True)
-    assert max_relative_difference(restarted, torch.load(straight, weights_only=True)) == 0.0
-    record = json.loads((tmp_path / "out" / "record.json").read_text())
-    assert record["status"] == "completed" and [s["step"] for s in record["steps"]] == list(range(300))
+    check_killed_rank_resumes_exactly("model_parallel", ELASTIC, 300, tmp_path)
 
 
 @pytest.mark.slow
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    proc, killed_at = start_and_kill_rank1(TRAIN, [*ELASTIC, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0)
-    _, stderr = proc.communicate(timeout=120)
-    assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
-    assert proc.returncode != 0
-    assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]
+    check_killed_rank_ends_the_job("model_parallel", ELASTIC, tmp_path)
 
 
 @pytest.mark.gpu
