@@ -36,6 +36,7 @@ def load_train_module(impl: str):
     path = train_path(impl)
     spec = importlib.util.spec_from_file_location(f"distref_impl_{impl}_train", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

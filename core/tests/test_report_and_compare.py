@@ -169,6 +169,13 @@ def test_different_workloads_are_not_compared_side_by_side(compared, tmp_path):
     ):
         build_report([out / "single", other], tmp_path / "refused")
     assert not (tmp_path / "refused" / "report.md").exists()
+    threads = tmp_path / "threads"  # the same workload, but 2 threads per rank
+    shutil.copytree(out / "ddp", threads)
+    record = json.loads((threads / "record.json").read_text())
+    record["environment"]["threads_per_rank"] = 2
+    (threads / "record.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match=r"threads per rank: single ×1=1, ddp ×2=2"):
+        build_report([out / "single", threads], tmp_path / "refused-threads")
     report = build_report([out / "single", other], tmp_path / "mixed", allow_mixed=True).read_text()
     assert "These runs are different workloads" in report
     assert report.splitlines()[0] == "# distref comparison: mixed workloads"  # not the first run's settings

@@ -13,6 +13,7 @@ from conftest import (
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     expected_time_to_target,
+    load_train_module,
     max_relative_difference,
     mnist_convergence_args,
     parity_args,
@@ -20,6 +21,7 @@ from conftest import (
     score,
     train_path,
 )
+from distref.config import parse_config
 
 TRAIN = str(train_path("model_parallel"))
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
@@ -71,6 +73,28 @@ def test_bit_identical_to_single(model, form, grad_accum, single_reference, tmp_
     assert max_relative_difference(saved, reference) == 0.0
 
 
+def test_bit_identical_to_single_with_batchnorm(single_train, tmp_path):
+    """resnet18: BatchNorm's running statistics live in the parts too, and end equal to single's."""
+    args = [
+        "--model",
+        "resnet18",
+        "--dataset",
+        "digits",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--steps",
+        "4",
+    ]
+    args += ["--global-batch-size", "16", "--eval-every", "100"]
+    single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
+    run_mp(["--nproc-per-node", "2", *args, "--save-final", str(tmp_path / "mp.pt")])
+    final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("mp", "single"))
+    assert int(final["layer4.1.bn2.num_batches_tracked"]) == 4  # a buffer of the second part
+    assert max_relative_difference(final, reference) == 0.0
+
+
 def test_record_is_single_s_record_plus_the_partition(single_train, tmp_path):
     """Losses and accuracies from the last part equal single's exactly; the record carries the partition,
     each rank's model state (its own part only), the bytes each rank sends and its busy fraction."""
@@ -107,31 +131,34 @@ def test_record_is_single_s_record_plus_the_partition(single_train, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--nproc-per-node", "5"], "5 parts but --model lenet has only 4 blocks"),
-        (
-            ["--nproc-per-node", "3", "--partition", "3,1"],
-            "--partition 3,1: cut points must increase strictly within 1..3",
-        ),
-        (
-            ["--nproc-per-node", "2", "--partition", "4"],
-            "--partition 4: cut points must increase strictly within 1..3",
-        ),
-        (
-            ["--nproc-per-node", "3", "--partition", "2"],
-            "--partition 2 makes 2 parts, but there are 3 ranks/devices",
-        ),
+        (["--devices", "cpu,cpu,cpu,cpu,cpu"], "5 parts but --model lenet has only 4 blocks"),
+        (["--partition", "3,1"], "--partition 3,1 makes 3 parts, but there are 2 ranks/devices"),
+        (["--partition", "4"], "--partition 4: cut points must increase strictly within 1..3"),
+        (["--partition", "2,1", "--devices", "cpu,cpu,cpu"], "cut points must increase strictly within 1..3"),
         (["--devices", "gpu:0,gpu:1"], "--devices gpu:0,gpu:1: unknown device"),
         (["--devices", "cpu:0,cpu:1"], "there is one CPU device in torch; use cpu,cpu"),
-        (["--nproc-per-node", "2", "--precision", "fp16", "--device", "cpu"], "--precision fp16 needs CUDA"),
+        (["--devices", "cpu"], "give 2 or more devices, one per part"),
+        (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs CUDA"),
     ]
     + ([] if torch.cuda.device_count() >= 2 else [(["--devices", "cuda:0,cuda:1"], "needs 2 CUDA devices")]),
 )
-def test_bad_input_is_one_line_before_any_process(args, message):
-    result = python_train(["--dataset", "synthetic", *args])
+def test_bad_input_is_one_line(args, message, capsys):
+    """What the launcher checks before starting any rank (2 ranks asked for), in this process."""
+    mp = load_train_module("model_parallel")
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--dataset", "synthetic", *args], "model_parallel", mp.add_options, 2, mp.check_options)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("model_parallel/train.py: error: ") and message in err, err
+
+
+def test_more_ranks_than_blocks_stops_before_any_rank_starts():
+    result = python_train(["--nproc-per-node", "5", "--dataset", "synthetic"])
     assert result.returncode == 2, result.stderr
-    last_line = result.stderr.splitlines()[-1]
-    assert last_line.startswith("model_parallel/train.py: error: ") and message in last_line
-    assert result.stderr.count("error:") == 1 and "starting" not in result.stdout  # no rank was started
+    assert result.stderr.splitlines()[-1] == (
+        "model_parallel/train.py: error: 5 parts but --model lenet has only 4 blocks"
+    )
+    assert "starting" not in result.stdout  # no rank was started
 
 
 def test_a_checkpoint_cut_elsewhere_is_refused(tmp_path):
