@@ -263,3 +263,19 @@ def test_compare_help_shows_the_default_workload_and_the_pass_through():
     text = " ".join(result.stdout.split())  # argparse wraps lines
     assert "Any other option is a run option passed to every impl's train.py" in text
     assert "--model lenet --dataset mnist --epochs 1" in text and "--target-accuracy 0.955" in text
+
+
+def test_compare_can_validate_every_impl():
+    """compare loads every impls/*/train.py to check its arguments before running anything: each must
+    load that way (a train.py defining a dataclass once did not) and accept the default workload."""
+    from distref.compare import DEFAULT_WORKLOAD, discover, validate
+    from distref.config import with_defaults
+
+    found = discover(ROOT / "impls")
+    assert {"single", "ddp", "dataparallel", "model_parallel"} <= set(found)
+    for impl, info in found.items():
+        distributed = info["launcher"] == "torchrun"
+        cfg = validate(
+            impl, info["train"], with_defaults(DEFAULT_WORKLOAD, []), 2 if distributed else 1, distributed
+        )
+        assert cfg.model == "lenet" and cfg.target_accuracy == 0.955

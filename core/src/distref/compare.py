@@ -56,6 +56,7 @@ def validate(impl: str, train: Path, args: list[str], world_size: int, distribut
     """Parse `args` as the impl's train.py would (its own options and checks included); exit 2 if bad."""
     spec = importlib.util.spec_from_file_location(f"distref_compare_{impl}", train)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return parse_config(
         args,
