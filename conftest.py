@@ -164,6 +164,15 @@ def parity_args(model: str) -> list[str]:
     return [*PARITY_WORKLOADS[model], "--steps", str(PARITY_STEPS), "--global-batch-size", str(PARITY_BATCH)]
 
 
+def batchnorm_args(steps: int) -> list[str]:
+    """resnet18, the model with BatchNorm buffers, on the small digits set (SGD): `steps` steps and one
+    evaluation in about 10 s, for the tests where running statistics must come out right."""
+    return [
+        *("--model", "resnet18", "--dataset", "digits", "--optimizer", "sgd", "--lr", "0.05"),
+        *("--steps", str(steps), "--global-batch-size", "16"),
+    ]
+
+
 def mnist_convergence_args(data_root: Path) -> list[str]:
     """lenet on real MNIST, 2 epochs, global batch 64, AdamW 2e-3 with cosine decay: >= 98.5% test accuracy."""
     return [

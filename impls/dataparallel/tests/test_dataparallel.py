@@ -8,6 +8,7 @@ import torch
 
 from conftest import (
     PARITY_TOLERANCE,
+    batchnorm_args,
     expected_time_to_target,
     load_train_module,
     max_relative_difference,
@@ -37,19 +38,7 @@ def test_parity_with_single(grad_accum, dataparallel_train, single_reference, tm
 
 def test_parity_with_single_for_a_model_with_batchnorm(dataparallel_train, single_train, tmp_path):
     """resnet18: parameters and BatchNorm buffers (running statistics, num_batches_tracked) alike."""
-    args = [
-        "--model",
-        "resnet18",
-        "--dataset",
-        "digits",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        "--steps",
-        "4",
-    ]
-    args += ["--global-batch-size", "16", "--eval-every", "100"]
+    args = batchnorm_args(4)
     single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
     dataparallel_train.main([*args, "--save-final", str(tmp_path / "dp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("dp", "single"))

@@ -16,6 +16,7 @@ from conftest import (
     DATA_ROOT,
     PARITY_TOLERANCE,
     ROOT,
+    batchnorm_args,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     counting_block_calls,
@@ -189,19 +190,7 @@ def test_records_describe_the_saved_model(mnist_root, single_train, tmp_path):
 def test_batchnorm_model_is_evaluated_with_rank_0s_statistics(tmp_path):
     """On CPU each rank's BatchNorm keeps its own running statistics (no SyncBatchNorm): the recorded
     accuracy must be that of the model rank 0 saves, not a mix of two models' halves."""
-    args = [
-        "--model",
-        "resnet18",
-        "--dataset",
-        "digits",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        "--steps",
-        "6",
-    ]
-    args += ["--global-batch-size", "16"]
+    args = batchnorm_args(6)
     run_ddp(2, [*args, "--save-final", str(tmp_path / "final.pt"), "--out", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "record.json").read_text())
     assert record["final_accuracy"] == score(tmp_path / "final.pt", args)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import (
+    batchnorm_args,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     expected_time_to_target,
@@ -75,19 +76,7 @@ def test_bit_identical_to_single(model, form, grad_accum, single_reference, tmp_
 
 def test_bit_identical_to_single_with_batchnorm(single_train, tmp_path):
     """resnet18: BatchNorm's running statistics live in the parts too, and end equal to single's."""
-    args = [
-        "--model",
-        "resnet18",
-        "--dataset",
-        "digits",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-        "--steps",
-        "4",
-    ]
-    args += ["--global-batch-size", "16", "--eval-every", "100"]
+    args = batchnorm_args(4)
     single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
     run_mp(["--nproc-per-node", "2", *args, "--save-final", str(tmp_path / "mp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("mp", "single"))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import (
+    batchnorm_args,
     counting_block_calls,
     expected_time_to_target,
     max_relative_difference,
@@ -60,16 +61,11 @@ def test_grad_accumulation_equals_one_big_batch(single_train, tmp_path):
     assert max_relative_difference(a4, a1) < 1e-5
 
 
-# resnet18 (the model with BatchNorm buffers) on the small digits set: 5 steps and an eval in ~10 s.
-RESNET = ["--model", "resnet18", "--dataset", "digits", "--optimizer", "sgd", "--lr", "0.05", "--steps", "5"]
-RESNET += ["--global-batch-size", "16", "--eval-every", "5"]
-
-
 @pytest.mark.parametrize(
     ("model_args", "steps"),
     [
         ([*SYNTH, "--model", "gpt", "--optimizer", "adamw", "--lr", "1e-3", "--global-batch-size", "16"], 20),
-        (RESNET, 5),
+        (batchnorm_args(5), 5),
     ],
     ids=["gpt-adamw", "resnet18-batchnorm"],
 )
