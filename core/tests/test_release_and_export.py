@@ -146,7 +146,9 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     assert expected <= {p.name for p in dest.iterdir()}
     assert "torch==" in (dest / "constraints.txt").read_text()
     readme = (dest / "README.md").read_text()
-    assert "## Using this export" in readme and "pip install -c constraints.txt torch" in readme
+    assert "## Using this export" in readme and "pip install -c constraints.txt -e ." in readme
+    shell = readme.split("```bash\n")[1].split("```")[0]
+    assert all(" (" not in line.split("#")[0] for line in shell.splitlines())  # comments are comments
     assert f"impls/{impl}/train.py" not in readme  # paths as they are in the export
     with open(dest / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["tool"]["distref"]["exported-from"]["impl"] == impl

@@ -61,7 +61,7 @@ def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: s
     """The impl's README with its paths as they are in the export, under a section saying how to install,
     run and test the exported project."""
     text = text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
-    launch = " (starts 2 ranks; --nproc-per-node N)" if launcher == "torchrun" else ""
+    launch = "         # starts 2 ranks (--nproc-per-node N)" if launcher == "torchrun" else ""
     return f"""> Exported from distref: impl `{impl}` {stamp["impl_version"]}, core {stamp["core_version"]}, \
 git {stamp["git_sha"] or "unknown"}.
 
@@ -77,7 +77,7 @@ hardware, write your torch build (and its torchvision) into it first.
 python3 -m venv .venv && . .venv/bin/activate
 pip install -c constraints.txt -e .                    # torch (pinned) and the vendored core
 python train.py --dataset synthetic --steps 50{launch}
-pip install -c constraints.txt torchvision numpy tqdm  # real MNIST, resnet18, progress bars
+pip install -c constraints.txt torchvision tqdm        # real MNIST, resnet18, progress bars
 pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorboard
 python -m pytest tests                                 # parity with baseline/single, and more
 ```
