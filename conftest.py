@@ -221,7 +221,7 @@ def expected_time_to_target(record: dict) -> float | None:
     return reached[0] if reached else None
 
 
-def score(state_dict_path: Path, args: list[str]) -> float:
+def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
     """Test accuracy of a saved state_dict, scored alone in this process (whole test set, one model):
     what a record's final_accuracy must equal for the model that --save-final wrote."""
     from distref.config import parse_config
@@ -229,7 +229,7 @@ def score(state_dict_path: Path, args: list[str]) -> float:
     from distref.models import build_model
     from distref.training import evaluate
 
-    cfg = parse_config(args, "score")
+    cfg = parse_config(args, "score_saved_model")
     _, test_set, info = load_dataset(cfg)
     model = build_model(cfg.model, info)
     model.load_state_dict(torch.load(state_dict_path, weights_only=True))

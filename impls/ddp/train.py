@@ -1,10 +1,11 @@
 """DistributedDataParallel (DDP): one process per device, each holding a full replica of the model.
 
 Every rank runs this file, started by torchrun or by `python train.py`, which checks the arguments and
-then starts the ranks through torch's own launcher (torch.distributed.run). Each rank takes its own slice of the global batch, runs
-forward and backward on it, and DDP all-reduces (averages) the gradients during backward, bucket by
-bucket, overlapping communication with the rest of backward. All replicas then take the same optimizer
-step, so they stay identical — and identical to `impls/single` trained on the whole global batch.
+then starts the ranks through torch's own launcher (torch.distributed.run). Each rank takes its own slice
+of the global batch and runs forward and backward on it; during backward DDP all-reduces (averages) the
+gradients bucket by bucket, overlapping communication with the rest of backward. All replicas then take
+the same optimizer step, so they stay identical — and identical to `impls/single` trained on the whole
+global batch.
 
     python impls/ddp/train.py --nproc-per-node 2 --epochs 2 --out runs/ddp   # starts 2 ranks (CPU: gloo)
     torchrun --standalone --nproc-per-node 2 impls/ddp/train.py --epochs 2     # the same, with torchrun

@@ -26,7 +26,7 @@ from conftest import (
     mnist_convergence_args,
     parity_args,
     run_script,
-    score,
+    score_saved_model,
     torchrun,
     train_path,
 )
@@ -180,7 +180,7 @@ def test_records_describe_the_saved_model(mnist_root, single_train, tmp_path):
     run_ddp(3, [*args, "--save-final", str(tmp_path / "ddp.pt"), "--out", str(tmp_path / "ddp")])
     single = single_train.main([*args, "--out", str(tmp_path / "single")])
     record = json.loads((tmp_path / "ddp" / "record.json").read_text())
-    assert record["final_accuracy"] == score(tmp_path / "ddp.pt", args)
+    assert record["final_accuracy"] == score_saved_model(tmp_path / "ddp.pt", args)
     ddp_losses = torch.tensor([s["loss"] for s in record["steps"]])
     single_losses = torch.tensor([s["loss"] for s in single["steps"]])
     torch.testing.assert_close(ddp_losses, single_losses, rtol=1e-5, atol=0)
@@ -193,7 +193,7 @@ def test_batchnorm_model_is_evaluated_with_rank_0s_statistics(tmp_path):
     args = batchnorm_args(6)
     run_ddp(2, [*args, "--save-final", str(tmp_path / "final.pt"), "--out", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "record.json").read_text())
-    assert record["final_accuracy"] == score(tmp_path / "final.pt", args)
+    assert record["final_accuracy"] == score_saved_model(tmp_path / "final.pt", args)
 
 
 def test_static_graph_with_grad_accum_is_refused_in_one_line(capsys):

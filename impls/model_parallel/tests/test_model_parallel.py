@@ -19,7 +19,7 @@ from conftest import (
     mnist_convergence_args,
     parity_args,
     run_script,
-    score,
+    score_saved_model,
     train_path,
 )
 from distref.config import parse_config
@@ -103,7 +103,7 @@ def test_record_is_single_s_record_plus_the_partition(single_train, tmp_path):
     record = json.loads((tmp_path / "mp" / "record.json").read_text())
     assert [s["loss"] for s in record["steps"]] == [s["loss"] for s in single["steps"]]
     assert [e["accuracy"] for e in record["evals"]] == [e["accuracy"] for e in single["evals"]]
-    assert record["final_accuracy"] == score(tmp_path / "f.pt", args)
+    assert record["final_accuracy"] == score_saved_model(tmp_path / "f.pt", args)
     assert record["world_size"] == record["devices"] == 2
     assert record["strategy"]["cut_points"] == [2]  # balanced: conv1+conv2 5,280 | fc1+fc2 16,560
     assert record["strategy"]["parts"] == [["conv1", "conv2"], ["fc1", "fc2"]]
