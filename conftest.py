@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,12 @@ def run_script(args: list[str], env: dict | None = None, timeout: float = 300, c
     """Run a command with one thread per process (as every rank would) and return the CompletedProcess."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+
+
+def self_launched(impl: str, args: list[str], timeout: float = 300):
+    """`python impls/<impl>/train.py ARGS` for a multi-process impl: the file checks ARGS, then starts its
+    own ranks (`--nproc-per-node`), as a user would run it."""
+    return run_script([sys.executable, str(train_path(impl)), *args], timeout=timeout)
 
 
 def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
@@ -231,7 +238,7 @@ def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
 
     cfg = parse_config(args, "score_saved_model")
     _, test_set, info = load_dataset(cfg)
-    model = build_model(cfg.model, info)
+    model = build_model(cfg.model, info, cfg.gpt_layers)
     model.load_state_dict(torch.load(state_dict_path, weights_only=True))
     _, correct, count = evaluate(model, eval_batches(test_set, 1000), torch.device("cpu"), cfg)
     return (correct / count).item()
@@ -284,15 +291,17 @@ def single_train():
 def single_reference(tmp_path_factory, mnist_root, single_train):
     """impls/single's final parameters on a parity workload (cached): the oracle every impl matches.
     (`mnist_root` is requested for its effect: the lenet workload reads real MNIST.)"""
-    cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    cache: dict[tuple, dict[str, torch.Tensor]] = {}
 
-    def reference(model: str, grad_accum: int = 1) -> dict[str, torch.Tensor]:
-        if (model, grad_accum) not in cache:
+    def reference(model: str, grad_accum: int = 1, extra: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+        """single's final state_dict on `model`'s parity workload, with --grad-accum and `extra` options."""
+        key = (model, grad_accum, tuple(extra))
+        if key not in cache:
             path = tmp_path_factory.mktemp("single") / "final.pt"
             single_train.main(
-                [*parity_args(model), "--grad-accum", str(grad_accum), "--save-final", str(path)]
+                [*parity_args(model), "--grad-accum", str(grad_accum), *extra, "--save-final", str(path)]
             )
-            cache[model, grad_accum] = torch.load(path, weights_only=True)
-        return cache[model, grad_accum]
+            cache[key] = torch.load(path, weights_only=True)
+        return cache[key]
 
     return reference

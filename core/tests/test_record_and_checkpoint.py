@@ -267,3 +267,23 @@ def test_options_changed_on_resume_apply_and_are_recorded(checkpointed_run, sing
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
     assert 0 < max_relative_difference(resumed, straight) < 1e-5  # another summation order, same run
+
+
+def test_gpt_depth_must_match_on_resume_and_older_checkpoints_mean_the_default(
+    single_train, tmp_path, capsys
+):
+    """A checkpoint of gpt with 2 transformer blocks cannot continue with --gpt-layers 3 (one line, exit 2);
+    a checkpoint written before --gpt-layers existed (no gpt_layers in its options) is read as the default."""
+    args = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "16", "--optimizer", "sgd"]
+    args += ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    single_train.main([*args, "--steps", "2"])
+    path = ckpt.checkpoint_path(tmp_path, 2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        single_train.main([*args, "--steps", "4", "--gpt-layers", "3", "--resume", str(path)])
+    assert exc.value.code == 2 and "--gpt-layers 2 vs 3" in capsys.readouterr().err
+    state = torch.load(path, weights_only=True)
+    del state["config"]["gpt_layers"]
+    torch.save(state, path)
+    cfg = parse_config([*args, "--steps", "4", "--resume", str(path)], "single")
+    assert ckpt.load_checkpoint(path, cfg, 4)["changes"] == {"steps": [2, 4], "total_steps": [2, 4]}

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- DataParallel: replicate across every visible GPU each step; GPU 0 gathers and steps ---
     gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []

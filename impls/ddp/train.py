@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
     model = apply_ddp(model, cfg, device, rank)

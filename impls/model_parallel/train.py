@@ -46,8 +46,11 @@ from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch,
 from distref.dist import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
+    gather_to_rank0,
     launch_ranks,
+    recv_tensor,
     restart_safe_store,
+    send_tensor,
     torchrun_env,
 )
 from distref.models import BlockModel, build_model
@@ -124,7 +127,7 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
             # GradScaler decides per process whether a step had inf/nan gradients; the ranks would
             # disagree (one skips, one steps). bf16 needs no loss scaling.
             return "--precision fp16 with one process per part would need a shared inf check: use bf16"
-    return choose_cut_points(cfg.model, cfg.extra["partition"], parts)[1]
+    return choose_cut_points(cfg.model, cfg.extra["partition"], parts, cfg.gpt_layers)[1]
 
 
 @dataclasses.dataclass
@@ -138,27 +141,14 @@ class Links:
     waiting_s: float = 0.0  # training time blocked receiving: idle, waiting for a neighbour
 
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-
-
 def send_activation(tensor: torch.Tensor, links: Links) -> None:
-    """Shape and dtype first (micro-batches and eval batches differ in size; autocast changes the
-    dtype), then the data."""
-    header = torch.zeros(8, dtype=torch.int64)
-    header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-    dist.send(header.to(tensor.device), links.after)
-    dist.send(tensor.contiguous(), links.after)
-    links.bytes_sent += header.numel() * 8 + tensor.numel() * tensor.element_size()
+    """To the next part: shape and dtype first (micro-batches and eval batches differ in size; autocast
+    changes the dtype), then the data (distref.dist.send_tensor)."""
+    links.bytes_sent += send_tensor(tensor, links.after)
 
 
 def receive_activation(links: Links, device: torch.device) -> torch.Tensor:
-    header = torch.empty(8, dtype=torch.int64, device=device)
-    dist.recv(header, links.before)
-    dtype, dims = DTYPES[int(header[0])], int(header[1])
-    tensor = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype, device=device)
-    dist.recv(tensor, links.before)
-    return tensor
+    return recv_tensor(links.before, device)
 
 
 def split_model(
@@ -231,15 +221,6 @@ def evaluate_parts(parts, batches, links: Links, cfg: RunConfig) -> torch.Tensor
     return totals
 
 
-def gather_to_rank0(obj, world_size: int) -> list:
-    """Every rank's `obj` on rank 0 (a list by rank; elsewhere empty). One process: [obj]."""
-    if world_size == 1:
-        return [obj]
-    gathered = [None] * world_size if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    return gathered or []
-
-
 # --- end MODEL PARALLEL options ---
 
 
@@ -284,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         links = Links(rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None)
     is_main = rank == 0  # rank 0 writes the record, checkpoints and the final state_dict
     n_parts = len(devices) if one_process else world_size
-    cuts = choose_cut_points(cfg.model, cfg.extra["partition"], n_parts)[0]
+    cuts = choose_cut_points(cfg.model, cfg.extra["partition"], n_parts, cfg.gpt_layers)[0]
     # --- end MODEL PARALLEL ---
 
     # ---- Data and model: the same in every impl -------------------------------------------------
@@ -293,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info)
+    model = build_model(cfg.model, info, cfg.gpt_layers)
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
     # parameters), keeps its own part(s) on its device(s) and lets the rest go.
     bounds = part_bounds(cuts, len(model))

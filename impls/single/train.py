@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)

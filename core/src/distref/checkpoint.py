@@ -29,6 +29,7 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
 # optimizer state in the checkpoint while the record claimed it.)
 MUST_MATCH = (
     "model",
+    "gpt_layers",
     "dataset",
     "global_batch_size",
     "seed",
@@ -95,7 +96,9 @@ def load_checkpoint(path: str | Path, cfg: RunConfig, total_steps: int) -> dict[
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
-    saved, current = options(state.get("config", {})), options(cfg.to_dict())
+    # Options a checkpoint predates (e.g. gpt_layers, added in core 0.3.0) had their default value then.
+    defaults = options(RunConfig().to_dict())
+    saved, current = {**defaults, **options(state.get("config", {}))}, options(cfg.to_dict())
     different = [k for k in MUST_MATCH if saved.get(k) != current[k]]
     if different:
         diffs = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} vs {current[k]}" for k in different)

@@ -32,6 +32,7 @@ class RunConfig:
     """Core options, identical for every impl. Strategy options live in `RunConfig.extra`."""
 
     model: str = "lenet"
+    gpt_layers: int = 2
     dataset: str = "mnist"
     data_root: str = "data"
     epochs: int | None = None
@@ -72,7 +73,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (impls use it for their own options too)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -137,6 +139,13 @@ def build_parser(
     contract = parser.add_argument_group("run contract (the same for every impl)")
     p = contract.add_argument
     p("--model", choices=MODELS, default="lenet", help="an ordered list of named blocks (distref.models)")
+    p(
+        "--gpt-layers",
+        metavar="N",
+        type=positive_int,
+        default=2,
+        help="transformer blocks of --model gpt (its blocks: embed, N blocks, head)",
+    )
     p("--dataset", choices=DATASETS, default="mnist", help="real MNIST is prepared offline, md5-checked")
     p(
         "--data-root",
@@ -146,13 +155,13 @@ def build_parser(
     )
     length = contract.add_mutually_exclusive_group()
     length.add_argument(
-        "--epochs", metavar="N", type=_positive_int, help="train this many epochs (default: 1)"
+        "--epochs", metavar="N", type=positive_int, help="train this many epochs (default: 1)"
     )
-    length.add_argument("--steps", metavar="N", type=_positive_int, help="train this many optimizer steps")
+    length.add_argument("--steps", metavar="N", type=positive_int, help="train this many optimizer steps")
     p(
         "--global-batch-size",
         metavar="B",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="samples per optimizer step, whatever the world size and --grad-accum",
     )
@@ -172,7 +181,7 @@ def build_parser(
         default="fp32",
         help="bf16/fp16: autocast; fp16 CUDA only",
     )
-    p("--grad-accum", metavar="K", type=_positive_int, default=1, help="micro-steps per optimizer step")
+    p("--grad-accum", metavar="K", type=positive_int, default=1, help="micro-steps per optimizer step")
     p(
         "--activation-checkpointing",
         action="store_true",
@@ -217,7 +226,7 @@ def build_parser(
     p(
         "--log-every",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         help="steps between progress/record flushes",
     )
@@ -229,7 +238,7 @@ def build_parser(
         q(
             "--nproc-per-node",
             metavar="N",
-            type=_positive_int,
+            type=positive_int,
             help="with plain `python train.py`: start this many ranks through torch.distributed.run "
             "(default: one per visible GPU with CUDA, else 2); under torchrun, give it to torchrun",
         )
@@ -341,6 +350,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
     """Return a one-line description of what is wrong with `cfg`, or None."""
     import torch  # local: the parser itself must stay importable without torch for quick CLI errors
 
+    if cfg.gpt_layers != 2 and cfg.model != "gpt":
+        return f"--gpt-layers sets the depth of --model gpt, not of --model {cfg.model}"
     if cfg.dataset not in MODEL_DATASETS[cfg.model]:
         allowed = ", ".join(MODEL_DATASETS[cfg.model])
         return f"--model {cfg.model} does not train on --dataset {cfg.dataset} (use one of: {allowed})"

@@ -176,8 +176,9 @@ def gpt(cfg: GPTConfig) -> BlockModel:
     return model
 
 
-def build_model(name: str, info: DatasetInfo) -> BlockModel:
-    """The model for a dataset. Call after seeding: every impl must start from the same parameters."""
+def build_model(name: str, info: DatasetInfo, gpt_layers: int = 2) -> BlockModel:
+    """The model for a dataset (`gpt_layers`: gpt's transformer blocks). Call after seeding: every impl
+    must start from the same parameters."""
     if name == "lenet":
         if info.input_shape != (1, 28, 28):
             raise ValueError(f"lenet takes 1×28×28 images, {info.name} has {info.input_shape}")
@@ -187,5 +188,5 @@ def build_model(name: str, info: DatasetInfo) -> BlockModel:
     if name == "gpt":
         if info.kind != "sequence":
             raise ValueError(f"gpt takes token sequences, {info.name} holds images")
-        return gpt(GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0]))
+        return gpt(GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=gpt_layers))
     raise ValueError(f"unknown model {name}")

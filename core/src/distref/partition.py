@@ -23,10 +23,10 @@ _SHAPES = {
 }
 
 
-def block_sizes(model_name: str) -> dict[str, int]:
+def block_sizes(model_name: str, gpt_layers: int = 2) -> dict[str, int]:
     """{block name: parameter count}, in order, without data or memory (built on the meta device)."""
     with torch.device("meta"):
-        model = build_model(model_name, _SHAPES[model_name])
+        model = build_model(model_name, _SHAPES[model_name], gpt_layers)
     return {name: sum(p.numel() for p in block.parameters()) for name, block in model.named_children()}
 
 
@@ -59,12 +59,15 @@ def part_bounds(cuts: list[int], n_blocks: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise([0, *cuts, n_blocks]))
 
 
-def choose_cut_points(model_name: str, text: str | None, parts: int) -> tuple[list[int] | None, str | None]:
+def choose_cut_points(
+    model_name: str, text: str | None, parts: int, gpt_layers: int = 2
+) -> tuple[list[int] | None, str | None]:
     """The cut points for `parts` parts of `model_name`: `--partition` if given, else balanced; or
     (None, a one-line reason) when the model cannot be cut so."""
-    sizes = list(block_sizes(model_name).values())
+    sizes = list(block_sizes(model_name, gpt_layers).values())
     if parts > len(sizes):
-        return None, f"{parts} parts but --model {model_name} has only {len(sizes)} blocks"
+        hint = f" (gpt has --gpt-layers + 2: use --gpt-layers {parts - 2})" if model_name == "gpt" else ""
+        return None, f"{parts} parts but --model {model_name} has only {len(sizes)} blocks{hint}"
     if text is not None:
         return parse_cut_points(text, len(sizes), parts)
     return balanced_cut_points(sizes, parts), None

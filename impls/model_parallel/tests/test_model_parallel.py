@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -18,23 +16,18 @@ from conftest import (
     max_relative_difference,
     mnist_convergence_args,
     parity_args,
-    run_script,
     score_saved_model,
-    train_path,
+    self_launched,
 )
 from distref.config import parse_config
 
-TRAIN = str(train_path("model_parallel"))
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
 TIMEOUT = ["--timeout", "60"]
 
 
 def python_train(args: list[str], timeout: float = 300):
-    """`python impls/model_parallel/train.py ARGS`: one process per part is started by the file itself."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "MASTER_ADDR", "RANK", "WORLD_SIZE")
-    }
-    return run_script([sys.executable, TRAIN, *TIMEOUT, *args], env=env, timeout=timeout)
+    """`python impls/model_parallel/train.py ARGS`: the file starts its ranks itself."""
+    return self_launched("model_parallel", [*TIMEOUT, *args], timeout)
 
 
 def run_mp(args: list[str], timeout: float = 300):

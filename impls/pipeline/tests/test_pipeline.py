@@ -1,0 +1,327 @@
+"""impls/pipeline proven equal to impls/single — bit for bit where the sums are the same — for every
+schedule, converging, resuming exactly after a killed rank, and refusing bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import (
+    PARITY_TOLERANCE,
+    check_killed_rank_ends_the_job,
+    check_killed_rank_resumes_exactly,
+    expected_time_to_target,
+    load_train_module,
+    max_relative_difference,
+    mnist_convergence_args,
+    parity_args,
+    score_saved_model,
+    self_launched,
+    torchrun,
+)
+from distref.config import parse_config
+
+# A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
+TIMEOUT = ["--timeout", "60"]
+
+
+def python_train(args: list[str], timeout: float = 300):
+    """`python impls/pipeline/train.py ARGS`: the file starts its ranks itself."""
+    return self_launched("pipeline", [*TIMEOUT, *args], timeout)
+
+
+def run_pp(ranks: int, args: list[str], timeout: float = 300):
+    """torchrun with `ranks` ranks (the tests start ranks directly: one process fewer than `python
+    train.py --nproc-per-node`, which a test of its own covers)."""
+    result = torchrun(ranks, "pipeline", [*TIMEOUT, *args], timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+# Each stage computes what single computes for its blocks, micro-batch by micro-batch, and the schedule
+# sums the M micro-batch gradients then divides by M, as single --grad-accum M divides each loss by M:
+# with M a power of two both scalings are exact, so one pipeline is bit-identical to single --grad-accum M
+# (lenet with AdamW on MNIST, gpt with SGD: the parity workloads). With --dp 2 the two pipelines' sums
+# are added in another order than single's: within PARITY_TOLERANCE (measured 7e-8 and 2.5e-7).
+# Every schedule, M in {1, 4, 8}, 2 and 4 stage ranks, 2 to 8 stages, both models, with and without --dp.
+PARITY_CASES = {
+    "lenet-gpipe-2x1-M1": ("lenet", 2, ["--schedule", "gpipe", "--microbatches", "1"], 1, 0.0),
+    "lenet-1f1b-4x1-M4": ("lenet", 4, ["--schedule", "1f1b", "--microbatches", "4"], 4, 0.0),
+    "lenet-interleaved-1f1b-2x2-M8": (
+        "lenet",
+        2,
+        ["--schedule", "interleaved-1f1b", "--microbatches", "8"],
+        8,
+        0.0,
+    ),
+    "lenet-zbv-2x2-M4": ("lenet", 2, ["--schedule", "zbv", "--microbatches", "4"], 4, 0.0),
+    "lenet-zbv-dp2-M4": (
+        "lenet",
+        4,
+        ["--schedule", "zbv", "--microbatches", "4", "--dp", "2"],
+        8,
+        PARITY_TOLERANCE,
+    ),
+    "gpt-interleaved-zero-bubble-4x2-M8": (
+        "gpt",
+        4,
+        ["--schedule", "interleaved-zero-bubble", "--microbatches", "8", "--gpt-layers", "6"],
+        8,
+        0.0,
+    ),
+    "gpt-dualpipev-4x2-M8": (
+        "gpt",
+        4,
+        ["--schedule", "dualpipev", "--microbatches", "8", "--gpt-layers", "6"],
+        8,
+        0.0,
+    ),
+    "gpt-gpipe-dp2-M4": (
+        "gpt",
+        4,
+        ["--schedule", "gpipe", "--microbatches", "4", "--dp", "2"],
+        8,
+        PARITY_TOLERANCE,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES))
+def test_parity_with_single(case, single_reference, tmp_path):
+    model, ranks, options, grad_accum, tolerance = PARITY_CASES[case]
+    layers = options[options.index("--gpt-layers") + 1] if "--gpt-layers" in options else "2"
+    final = tmp_path / "final.pt"
+    run_pp(ranks, [*parity_args(model), *options, "--save-final", str(final)])
+    saved = torch.load(final, weights_only=True)
+    reference = single_reference(model, grad_accum, ["--gpt-layers", layers])
+    assert list(saved) == list(reference)  # the core model's keys, in its order: gathered from every stage
+    diff = max_relative_difference(saved, reference)
+    assert diff <= tolerance, f"{case}: max relative difference {diff:.2e} (allowed {tolerance})"
+
+
+def test_record_is_single_s_record_plus_the_pipeline(single_train, tmp_path):
+    """2 pipelines × 2 ranks × 2 stages: per-step losses are the mean over the pipelines (single
+    --grad-accum 8's, to rounding), the final accuracy is the saved model's, scored alone (each pipeline
+    scores its share of the test set); the record carries the schedule, the stages each rank holds,
+    each rank's model state (its stages only), the measured bubble and the activations each rank held."""
+    args = [*parity_args("lenet"), "--eval-every", "10"]
+    run_pp(
+        4,
+        [
+            *("--dp", "2", "--schedule", "interleaved-1f1b"),
+            *args,
+            *("--out", str(tmp_path / "pp"), "--save-final", str(tmp_path / "f.pt")),
+        ],
+    )
+    single = single_train.main([*args, "--grad-accum", "8", "--out", str(tmp_path / "single")])
+    record = json.loads((tmp_path / "pp" / "record.json").read_text())
+    losses, expected = ([s["loss"] for s in r["steps"]] for r in (record, single))
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert record["final_accuracy"] == score_saved_model(tmp_path / "f.pt", args)
+    assert [e["step"] for e in record["evals"]] == [10, 20]
+    strategy = record["strategy"]
+    assert (strategy["schedule"], strategy["microbatches"], strategy["stages"]) == ("interleaved-1f1b", 4, 4)
+    assert strategy["stages_by_rank"] == [["conv1", "fc1"], ["conv2", "fc2"]]  # round-robin: r, r + p
+    sizes = {"conv1": 260, "conv2": 5020, "fc1": 16050, "fc2": 510}
+    held = [4 * sum(sizes[b] for b in blocks) for blocks in strategy["stages_by_rank"]]
+    params = [s["parameters"] for s in record["model_state_bytes"]]
+    assert params == [*held, *held] == [(260 + 16050) * 4, (5020 + 510) * 4] * 2  # ranks 0-1, then 2-3
+    assert [s["gradients"] for s in record["model_state_bytes"]] == params
+    assert all(0 < b < 1 for b in strategy["busy_fraction"]) and len(strategy["busy_fraction"]) == 4
+    assert record["bubble_fraction"] == pytest.approx(1 - sum(strategy["busy_fraction"]) / 4)
+    assert all(a > 0 for a in strategy["peak_activation_bytes"])
+    assert record["world_size"] == record["devices"] == 4
+
+
+def test_gpipe_and_1f1b_equal_single_and_1f1b_holds_fewer_activations(single_reference, tmp_path):
+    """M = 8, 2 stages: both bit-identical to single --grad-accum 8. GPipe runs all M forwards before any
+    backward; 1F1B starts backward after p forwards and then alternates, so it holds a few micro-batches'
+    saved activations instead of M."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        out, final = tmp_path / schedule, tmp_path / f"{schedule}.pt"
+        options = [
+            "--schedule",
+            schedule,
+            "--microbatches",
+            "8",
+            "--out",
+            str(out),
+            "--save-final",
+            str(final),
+        ]
+        run_pp(2, [*parity_args("lenet"), *options])
+        saved = torch.load(final, weights_only=True)
+        assert max_relative_difference(saved, single_reference("lenet", 8)) == 0.0, schedule
+        peaks[schedule] = json.loads((out / "record.json").read_text())["strategy"]["peak_activation_bytes"]
+    # Per step, over what was held before it (the recorded peak): GPipe holds all 8 micro-batches'
+    # activations on both stages; 1F1B holds p = 2 on the first stage and 1 on the last, which runs each
+    # micro-batch's backward right after its forward.
+    assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] > 0
+    assert peaks["1f1b"][1] * 8 == peaks["gpipe"][1] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "ranks", "message"),
+    [
+        (["--microbatches", "3"], 2, "--microbatches 3 must divide each pipeline's batch"),
+        (["--dp", "3"], 4, "--dp 3 must divide the 4 ranks"),
+        (["--dp", "2"], 2, "2 ranks with --dp 2 leave 1 rank per pipeline"),
+        (["--schedule", "interleaved-1f1b", "--stages-per-rank", "1"], 2, "needs 2 or more stages per rank"),
+        (["--schedule", "gpipe", "--stages-per-rank", "2"], 2, "--schedule gpipe runs one stage per rank"),
+        (["--schedule", "zbv", "--stages-per-rank", "3"], 2, "places exactly 2 stages per rank"),
+        ([], 5, "5 parts but --model lenet has only 4 blocks"),
+        (["--schedule", "interleaved-1f1b"], 4, "8 parts but --model lenet has only 4 blocks"),
+        (
+            ["--model", "gpt", "--schedule", "interleaved-1f1b"],
+            4,
+            "8 parts but --model gpt has only 4 blocks (gpt has --gpt-layers + 2: use --gpt-layers 6)",
+        ),
+        (
+            ["--schedule", "1f1b", "--microbatches", "2"],
+            4,
+            "--schedule 1f1b needs --microbatches >= the 4 stages",
+        ),
+        (
+            ["--schedule", "dualpipev", "--microbatches", "2"],
+            2,
+            "dualpipev needs --microbatches >= its 4 stages",
+        ),
+        (
+            [
+                "--model",
+                "gpt",
+                "--gpt-layers",
+                "6",
+                "--schedule",
+                "interleaved-zero-bubble",
+                "--microbatches",
+                "9",
+                "--global-batch-size",
+                "36",
+            ],
+            4,
+            "needs --microbatches 9 to be a multiple of its 2 rounds",
+        ),
+        (["--grad-accum", "2"], 2, "--grad-accum: the schedule already accumulates over --microbatches"),
+        (["--partition", "1,2"], 2, "--partition 1,2 makes 3 parts, but there are 2 ranks/devices"),
+        (["--gpt-layers", "4"], 2, "--gpt-layers sets the depth of --model gpt, not of --model lenet"),
+        (["--precision", "fp16", "--device", "cpu"], 2, "--precision fp16 needs CUDA"),
+    ],
+)
+def test_bad_input_is_one_line(args, ranks, message, capsys):
+    """What the launcher checks before starting any rank, in this process."""
+    pp = load_train_module("pipeline")
+    argv = ["--dataset", "synthetic", *args]
+    with pytest.raises(SystemExit) as exc:
+        parse_config(argv, "pipeline", pp.add_options, ranks, pp.check_options, splits_batch=False)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pipeline/train.py: error: ") and message in err, err
+
+
+def test_bad_input_stops_before_any_rank_starts():
+    result = python_train(["--nproc-per-node", "2", "--dataset", "synthetic", "--microbatches", "5"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1].startswith("pipeline/train.py: error: --microbatches 5 must divide")
+    assert "starting" not in result.stdout  # no rank was started
+
+
+def test_micro_batch_rules_are_torch_s_own(monkeypatch):
+    """check_options says in advance exactly what torch 2.13's schedule constructors raise: every schedule,
+    p in {2, 4}, M in 1..16, built on a fake process group (no communication, one process)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    pp = load_train_module("pipeline")
+    disagreements = []
+    for p in (2, 4):
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
+        try:
+            for name, schedule_class in pp.SCHEDULES.items():
+                v = 1 if name in pp.ONE_STAGE_PER_RANK else 2
+                for m in range(1, 17):
+                    stages = [
+                        pp.PipelineStage(torch.nn.Linear(2, 2), s, p * v, torch.device("cpu"))
+                        for s in pp.stage_indices(name, 0, p, v)
+                    ]
+                    try:
+                        schedule_class(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=pp.loss_fn)
+                        torch_says = None
+                    except ValueError as exc:
+                        torch_says = str(exc)
+                    we_say = pp.microbatch_problem(name, m, p, p * v)
+                    if (torch_says is None) != (we_say is None):
+                        disagreements.append((name, p, m, torch_says, we_say))
+        finally:
+            torch.distributed.destroy_process_group()
+    assert not disagreements
+
+
+@pytest.mark.slow
+def test_lenet_reaches_98_5_percent_on_real_mnist(mnist_root, tmp_path):
+    # `python train.py` starting its own ranks, as the README's first command does
+    args = ["--nproc-per-node", "2", "--microbatches", "2", *mnist_convergence_args(mnist_root)]
+    result = python_train([*args, "--out", str(tmp_path)], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["final_accuracy"] >= 0.985, record["evals"]
+    assert record["time_to_target_s"] == expected_time_to_target(record) > 0
+
+
+@pytest.mark.slow
+def test_gpt_learns_the_reverse_task_through_an_interleaved_pipeline(tmp_path):
+    """The single test's workload (99% token accuracy in 100 steps), 2 ranks × 2 stages."""
+    args = ["--model", "gpt", "--dataset", "synthetic", "--steps", "100", "--lr", "3e-3"]
+    args += ["--eval-every", "50", "--schedule", "interleaved-1f1b", "--microbatches", "4"]
+    run_pp(2, [*args, "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["final_accuracy"] >= 0.99, record["evals"]
+
+
+ELASTIC = [
+    "--model",
+    "lenet",
+    "--dataset",
+    "synthetic",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.01",
+    "--steps",
+    "300",
+    "--schedule",
+    "zbv",  # both ranks hold two stages; rank 0 the first and the last
+]
+ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume", "auto", *TIMEOUT]
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
+    check_killed_rank_resumes_exactly("pipeline", ELASTIC, 300, tmp_path)
+
+
+@pytest.mark.slow
+def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    check_killed_rank_ends_the_job("pipeline", ELASTIC, tmp_path)
+    # The checkpoint it left (zbv: rank 0 holds conv1 and fc2) fits only the same layout of stages.
+    other = [*ELASTIC[: ELASTIC.index("--schedule")], *ELASTIC[ELASTIC.index("--schedule") + 2 :]]
+    result = torchrun(2, "pipeline", [*other, "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert result.returncode != 0
+    expected = (
+        "holds stages [['conv1', 'fc2'], ['conv2', 'fc1']], this run [['conv1', 'conv2'], ['fc1', 'fc2']]"
+    )
+    assert expected in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs: one stage rank per GPU")
+def test_two_gpus_match_single(single_train, tmp_path):
+    args = [*parity_args("lenet"), "--device", "cuda"]
+    single_train.main([*args, "--grad-accum", "4", "--save-final", str(tmp_path / "single.pt")])
+    run_pp(2, [*args, "--save-final", str(tmp_path / "pp.pt")])
+    final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("pp", "single"))
+    assert (
+        max_relative_difference(final, reference) < PARITY_TOLERANCE
+    )  # GPU kernels may sum in another order
