@@ -35,6 +35,7 @@ import argparse
 import datetime
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -238,7 +239,7 @@ class SavedActivations:
     each step; a saved tensor counts until autograd drops it. (Measured from the second step on: on the
     first, each stage also infers shapes with one micro-batch whose graph it keeps.)"""
 
-    def __init__(self, parameters):
+    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
         self.live = self.at_step_start = self.peak = 0
 
@@ -266,7 +267,9 @@ class _Saved:
         self.meter.live -= self.nbytes
 
 
-def all_reduce_gradients(parameters, dp_group: dist.ProcessGroup, dp: int) -> None:
+def all_reduce_gradients(
+    parameters: Iterable[torch.nn.Parameter], dp_group: dist.ProcessGroup, dp: int
+) -> None:
     """Average each gradient over the pipelines (the same stages, other data), once per step after the
     schedule's last backward. (DDP-wrapped stages would do this overlapped, but in torch 2.13 they fail
     with every schedule but 1F1B: `rebuilt parameter indices size is not same as original model
@@ -286,7 +289,14 @@ def broadcast_buffers(model: torch.nn.Module, dp_group: dist.ProcessGroup) -> No
 
 
 @torch.no_grad()
-def evaluate_stages(stage_modules, owner: list[int], batches, cfg: RunConfig, device, group) -> torch.Tensor:
+def evaluate_stages(
+    stage_modules: dict[int, BlockModel],
+    owner: list[int],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    cfg: RunConfig,
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
     """[loss_sum, correct, count] over `batches`, each batch forward through every stage in order (no
     schedule: nothing to overlap without backward). Activations go to the next stage's rank by point-to-
     point send/recv, or stay here when this rank holds that stage too; the last stage's rank scores."""
