@@ -181,7 +181,8 @@ def batchnorm_args(steps: int) -> list[str]:
 
 
 def mnist_convergence_args(data_root: Path) -> list[str]:
-    """lenet on real MNIST, 2 epochs, global batch 64, AdamW 2e-3 with cosine decay: >= 98.5% test accuracy."""
+    """lenet on real MNIST, 1 epoch, global batch 32, AdamW 2e-3 with cosine decay: >= 98.5% test accuracy
+    (single: 98.77%). Half the samples of `nox -s <impl>-cpu`'s run (2 epochs of 64, ~99%), to keep CI short."""
     return [
         "--model",
         "lenet",
@@ -190,9 +191,9 @@ def mnist_convergence_args(data_root: Path) -> list[str]:
         "--data-root",
         str(data_root),
         "--epochs",
-        "2",
+        "1",
         "--global-batch-size",
-        "64",
+        "32",
         "--optimizer",
         "adamw",
         "--lr",

@@ -52,6 +52,16 @@ def impl_settings(impl: str) -> dict:
         return tomllib.load(f).get("tool", {}).get("distref", {})
 
 
+def impl_requirements(*impls: str) -> list[str]:
+    """What the impls need beyond torch and distref-core (their pyproject's dependencies), e.g. deepspeed."""
+    needed = []
+    for impl in impls:
+        with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
+            deps = tomllib.load(f)["project"].get("dependencies", [])
+        needed += [d for d in deps if not d.startswith(("distref", "torch"))]
+    return sorted(set(needed))
+
+
 def impl_launcher(impl: str) -> str:
     return impl_settings(impl).get("launcher", "python")
 
@@ -61,7 +71,7 @@ def cuda_device_count(session: nox.Session) -> int:
 
 
 def run_impl(session: nox.Session, impl: str, device: str) -> None:
-    install_core(session, "tqdm", "tensorboard", "scikit-learn")
+    install_core(session, "tqdm", "tensorboard", "scikit-learn", *impl_requirements(impl))
     gpus = cuda_device_count(session)
     if device == "cuda" and gpus == 0:
         session.skip(f"{impl}-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
@@ -105,7 +115,7 @@ for _impl in IMPLS:
     if (ROOT / "impls" / _impl / "benchmark.py").exists():
 
         def _bench(session: nox.Session, impl: str = _impl) -> None:
-            install_core(session, "tqdm")
+            install_core(session, "tqdm", *impl_requirements(impl))
             session.env.setdefault("DISTREF_DATA", DATA_ROOT)
             session.run("python", str(ROOT / "impls" / impl / "benchmark.py"), *session.posargs)
 
@@ -114,7 +124,7 @@ for _impl in IMPLS:
 
 
 def _compare(session: nox.Session, device: str) -> None:
-    install_core(session, "tqdm", "matplotlib", "scikit-learn")
+    install_core(session, "tqdm", "matplotlib", "scikit-learn", *impl_requirements(*IMPLS))
     if device == "cuda" and cuda_device_count(session) == 0:
         session.skip("compare-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
     session.run(
@@ -161,7 +171,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def mutants(session: nox.Session) -> None:
     """Known-bad edits (ci/mutants.toml) the tests must catch; prints a table. `-- --only NAME`, `-- --list`"""
-    install_core(session, *TEST_DEPS)
+    install_core(session, *TEST_DEPS, *impl_requirements(*IMPLS))
     session.env["DISTREF_DATA"] = DATA_ROOT
     session.run("python", str(ROOT / "ci" / "mutants.py"), *session.posargs)
 
@@ -169,7 +179,7 @@ def mutants(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite, on CPU (GPU tests skip with their reason)."""
-    install_core(session, *TEST_DEPS)
+    install_core(session, *TEST_DEPS, *impl_requirements(*IMPLS))
     session.env["DISTREF_DATA"] = DATA_ROOT
     # The slowest tests are printed at the end: .ci/run must stay under 12 minutes on a 2-core box.
     # Two tests at a time (pytest-xdist): a one-process test leaves the second core idle, and a

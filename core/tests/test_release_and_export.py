@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -68,15 +69,19 @@ def test_build_outputs_are_not_behaviour_but_new_files_are(in_git, tmp_path):
 # ---- export -----------------------------------------------------------------------------------------
 
 
-def torch_only_python(tmp: Path) -> Path:
+def torch_only_python(tmp: Path, extra: Sequence[str] = ()) -> Path:
     """A fresh venv that sees what an exported project depends on — torch and numpy (torch's object
-    collectives need it) with their own dependencies — and nothing else: no distref, no torchvision."""
+    collectives need it), the impl's own `extra` requirements (deepspeed), with their own dependencies —
+    and nothing else: no distref, no torchvision."""
     farm = tmp / "torch-only-site"
-    farm.mkdir()
+    farm.mkdir(parents=True)
     site = Path(torch.__file__).parents[1]
-    todo, seen = ["torch", "numpy"], set()
+    todo, seen = ["torch", "numpy", *extra], set()
     while todo:
-        dist = importlib.metadata.distribution(todo.pop())
+        try:
+            dist = importlib.metadata.distribution(todo.pop())
+        except importlib.metadata.PackageNotFoundError:  # another platform's (colorama for tqdm on Windows)
+            continue
         name = dist.metadata["Name"].lower()
         if name in seen:
             continue
@@ -129,8 +134,17 @@ SYNTHETIC = [
 ]
 
 
+def impl_requirements(impl: str) -> list[str]:
+    """The names of what impls/<impl> needs beyond torch and distref-core (its pyproject's dependencies)."""
+    with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"].get("dependencies", [])
+    return [re.split(r"[ ;<>=!~\[(]", d)[0] for d in deps if not d.startswith(("distref", "torch"))]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, tmp_path):
+    if extra := impl_requirements(impl):  # e.g. deepspeed: torch, numpy and that, nothing else
+        fresh_python = torch_only_python(tmp_path / "fresh", extra)
     dest = export(impl, tmp_path / f"my-{impl}")
     assert not dest.resolve().is_relative_to(ROOT)
     expected = {

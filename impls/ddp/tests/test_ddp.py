@@ -50,18 +50,15 @@ def test_parity_with_single(model, world_size, single_reference, tmp_path):
         world_size,
         [*parity_args(model), "--save-final", str(final)],
     )
-    diff = max_relative_difference(torch.load(final, weights_only=True), single_reference(model))
+    result = torch.load(final, weights_only=True)
+    diff = max_relative_difference(result, single_reference(model))
     assert diff < PARITY_TOLERANCE, f"{model} at world {world_size}: max relative difference {diff:.2e}"
-
-
-def test_two_ranks_are_bit_identical_to_single_with_the_same_split(single_reference, tmp_path):
-    """2 ranks sum the same two half-batch gradients as single with --grad-accum 2, in the same order
-    (the 1/2 scaling is exact in binary): not merely close, equal. (Over long runs that is what tells a
-    bug from rounding: ddp ×2 vs plain single drifts to ~1e-1 in an epoch, ddp ×2 vs single
-    --grad-accum 2 stays exactly 0.)"""
-    final = tmp_path / "final.pt"
-    run_ddp(2, [*parity_args("lenet"), "--save-final", str(final)])
-    assert max_relative_difference(torch.load(final, weights_only=True), single_reference("lenet", 2)) == 0.0
+    if (model, world_size) == ("lenet", 2):
+        # 2 ranks sum the same two half-batch gradients as single with --grad-accum 2, in the same order
+        # (the 1/2 scaling is exact in binary): not merely close, equal. (Over long runs that is what tells
+        # a bug from rounding: ddp ×2 vs plain single drifts to ~1e-1 in an epoch, ddp ×2 vs single
+        # --grad-accum 2 stays exactly 0.)
+        assert max_relative_difference(result, single_reference("lenet", 2)) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,504 @@
+"""DeepSpeed ZeRO: data parallel, with the model states partitioned over the ranks instead of replicated.
+
+Every rank runs this file, started by torchrun (or `deepspeed --num_gpus N`), or by `python train.py`,
+which checks the arguments and then starts the ranks itself. As in DDP each rank trains on its slice of
+the global batch; what ZeRO changes is who holds what. Stage 0 keeps a full replica per rank (DDP);
+stage 1 partitions the optimizer states, stage 2 also the gradients, stage 3 also the parameters —
+each rank owns 1/N of them and the rest is gathered or reduced when needed. `--offload-optimizer` /
+`--offload-params` keep those partitions in CPU memory. Every stage gives the same model as
+`impls/single` trained on the whole global batch.
+
+    python impls/deepspeed_zero/train.py --nproc-per-node 2 --zero-stage 2 --epochs 2 --out runs/zero2
+    torchrun --standalone --nproc-per-node 2 impls/deepspeed_zero/train.py --zero-stage 3
+    deepspeed --num_gpus 2 impls/deepspeed_zero/train.py --zero-stage 3        # DeepSpeed's launcher
+    nox -s deepspeed_zero-cpu / nox -s deepspeed_zero-gpu / nox -s deepspeed_zero-bench
+
+Changes against impls/single/train.py are marked `# --- ZERO: ... ---`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist  # --- ZERO ---
+
+from distref import impl_version
+from distref.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    describe_resume,
+    load_checkpoint,
+    resume_path,
+    save_checkpoint,
+)
+from distref.config import RunConfig, fail, parse_config, under_torchrun, uses_cuda
+from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.dist import (
+    all_reduce_mean,
+    destroy_process_group_on_exit,
+    exit_without_interpreter_teardown,
+    gather_to_rank0,
+    launch_ranks,
+    restart_safe_store,
+    torchrun_env,
+)
+from distref.models import build_model
+from distref.monitor import profiler, progress_bar, tensorboard_writer
+from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.training import (
+    configure_cpu_threads,
+    evaluate,
+    loss_fn,
+    make_lr_schedule,
+    make_optimizer,
+    pick_device,
+    seed_everything,
+    synchronize,
+    total_steps,
+)
+
+IMPL = "deepspeed_zero"
+VERSION = impl_version(__file__)
+EVAL_BATCH_SIZE = 1000
+
+
+# --- ZERO: strategy options, on top of the core run contract ---
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--zero-stage",
+        metavar="{0,1,2,3}",
+        type=int,
+        default=2,
+        help="partition nothing (0, = DDP), optimizer states (1), + gradients (2), + parameters (3)",
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="keep the optimizer states (and fp32 master weights) in CPU memory and step there (stage ≥ 1)",
+    )
+    parser.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="keep the parameter partitions in CPU memory between uses (stage 3)",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        metavar="MB",
+        type=float,
+        default=50.0,
+        help="gradient reduce / parameter all-gather bucket size (smaller = less memory, more calls)",
+    )
+    parser.add_argument(
+        "--local_rank", type=int, help=argparse.SUPPRESS
+    )  # the `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used
+
+
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    stage = cfg.extra["zero_stage"]
+    if stage not in (0, 1, 2, 3):
+        return f"--zero-stage {stage}: ZeRO has stages 0, 1, 2 and 3"
+    if cfg.extra["offload_params"] and stage != 3:
+        return f"--offload-params needs --zero-stage 3 (only stage 3 partitions parameters; got {stage})"
+    if cfg.extra["offload_optimizer"] and stage == 0:
+        return "--offload-optimizer needs --zero-stage 1, 2 or 3 (stage 0 has no optimizer partition)"
+    if cfg.precision == "bf16" and stage == 0:
+        # Measured: DeepSpeed 0.19 runs bf16 at stage 0 without fp32 master weights (updates are rounded
+        # to bf16), unlike stages 1-3; refuse rather than train a less accurate model silently.
+        return "--precision bf16 needs --zero-stage 1, 2 or 3 (stage 0 keeps no fp32 master weights)"
+    return None
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed logs INFO lines and FutureWarnings by the dozen per rank; keep its warnings and errors."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed\.")
+    # DeepSpeed calls collectives torch 2.13 deprecates (all_gather_into_tensor, reduce_scatter_tensor).
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def skip_shm_op_build() -> None:
+    """On CPU, DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce (`deepspeed_shm_comm`,
+    ~84 s and 1.6 GB here) on every start; it serves inference only. Replace its builder with "not
+    available". (The module is taken from sys.modules: `import deepspeed.comm.torch as m` would bind the
+    name `torch` in `deepspeed.comm`, i.e. torch itself.)"""
+    import deepspeed.comm.torch  # noqa: F401  (loads the module)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
+    """The ZeRO configuration (what a ds_config.json would hold), from the run contract.
+
+    DeepSpeed takes the batch as three numbers that must agree: the global batch (per optimizer step)
+    = micro-batch per rank × gradient accumulation steps × world size."""
+    stage = cfg.extra["zero_stage"]
+    bucket = int(cfg.extra["bucket_mb"] * 2**20 / 4)  # DeepSpeed sizes buckets in elements
+    zero: dict = {
+        "stage": stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "contiguous_gradients": True,
+        "overlap_comm": stage >= 2,  # reduce gradients in backward, as they are produced
+    }
+    if stage == 3:
+        # Below this many elements a parameter is kept whole on every rank (default 1e5): lenet's and gpt's
+        # tensors all are, so nothing would be partitioned. 0 partitions every one, as a large model would be.
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_prefetch_bucket_size"] = bucket
+    if cfg.extra["offload_optimizer"]:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": uses_cuda(cfg)}
+    if cfg.extra["offload_params"]:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": uses_cuda(cfg)}
+    return {
+        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.global_batch_size // (world_size * cfg.grad_accum),
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "zero_optimization": zero,
+        # DeepSpeed 0.19 clips the global gradient norm at 1.0 unless told otherwise (its default changed
+        # from 0.0): single does not clip, and clipping silently changed the result from step 10 on here.
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0},  # 0: dynamic loss scaling
+        # The optimizer is single's own torch AdamW/SGD (make_optimizer), passed in: the same update as
+        # every other impl, and nothing compiled. DeepSpeed's FusedAdam/CPUAdam JIT-compile C++ (~2 min)
+        # and differ from torch's AdamW by up to 2e-2 after 50 steps; these two flags allow the client one.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # distref's progress bar and record do the logging
+        "wall_clock_breakdown": False,
+    }
+
+
+def full_fp32_state_dict(engine, stage: int) -> dict[str, torch.Tensor]:
+    """The core model's full fp32 state_dict (core keys), assembled from the partitions. A collective at
+    stage 3 (every rank must call it). With bf16 the fp32 master weights are returned, not the bf16 copy
+    the module computes with."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    with deepspeed_gathered(module.parameters(), stage):
+        state = {}
+        for name, tensor in module.state_dict().items():
+            param = dict(module.named_parameters()).get(name)
+            master = safe_get_full_fp32_param(param) if param is not None else None
+            value = master if master is not None else tensor
+            state[name] = value.detach().float().cpu().clone() if value.is_floating_point() else value.cpu()
+    return state
+
+
+def deepspeed_gathered(params, stage: int):
+    """Whole parameters for the duration of the block: at stage 3 each rank holds 1/N of every tensor."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params)) if stage == 3 else contextlib.nullcontext()
+
+
+def zero_model_state_bytes(engine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of model state this rank holds, by kind, measured on the tensors (each storage once).
+
+    parameters: what the module's parameters hold here (stage 3: the rank's partition only);
+    optimizer: the torch optimizer's states plus the flat fp32 master partitions it steps (ZeRO 1-3
+    keep those even in fp32, beside the parameters); gradients: the gradient tensors and DeepSpeed's gradient
+    buffers/partitions found on the ZeRO optimizer. Call after the last backward of a step, before
+    engine.step() (DeepSpeed frees gradients inside step)."""
+    seen: set[int] = set()
+
+    def new_bytes(tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    params = list(engine.module.parameters())
+    held = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    for p in params:
+        held["parameters"] += new_bytes(p.ds_tensor if hasattr(p, "ds_tensor") else p)
+    # Keyed by the tensors the optimizer steps: the flat fp32 partitions under ZeRO (stage 3 swaps them into
+    # param_groups only while stepping, so param_groups may be empty now).
+    for master, state in optimizer.state.items():
+        held["optimizer"] += new_bytes(master)
+        held["optimizer"] += sum(new_bytes(t) for t in state.values() if torch.is_tensor(t))
+    for p in params:
+        held["gradients"] += new_bytes(p.grad) if p.grad is not None else 0
+    for master in optimizer.state:
+        held["gradients"] += new_bytes(master.grad) if master.grad is not None else 0
+
+    def walk(obj, depth: int) -> None:  # DeepSpeed's own gradient buffers, held by its optimizer
+        if torch.is_tensor(obj):
+            held["gradients"] += new_bytes(obj)
+        elif depth and isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item, depth - 1)
+        elif depth and isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, depth - 1)
+
+    zero_optimizer = engine.optimizer
+    if zero_optimizer is not optimizer:
+        for name, value in vars(zero_optimizer).items():
+            if "grad" in name or "ipg" in name:
+                walk(value, 3)
+    return held
+
+
+# --- end ZERO options ---
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(argv, IMPL, add_options, check=check_options, description=__doc__, distributed=True)
+    # --- ZERO: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
+    # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
+    # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
+    if not under_torchrun():
+        launch_ranks(__file__, argv, cfg, IMPL)
+    rank, world_size, local_rank = torchrun_env()
+    configure_cpu_threads()  # (the `deepspeed` launcher sets no OMP_NUM_THREADS: this does)
+    device = pick_device(cfg.device, local_rank)
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses (and may pick CUDA)
+    quiet_deepspeed()
+    import deepspeed  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
+
+    skip_shm_op_build()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
+    # The process group is torch's own, made here as in ddp (restart-safe store, timeout); deepspeed.comm
+    # wraps it instead of creating another.
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/dist.py for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    is_main = rank == 0  # rank 0 alone writes the record and the checkpoint index
+    stage = cfg.extra["zero_stage"]
+    # --- end ZERO ---
+
+    # ---- Data and model: the same in every impl -------------------------------------------------
+    try:
+        train_set, test_set, info = load_dataset(cfg)
+    except DataError as exc:
+        fail(str(exc), IMPL)
+    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
+    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    optimizer = make_optimizer(cfg, model.parameters())
+    # --- ZERO: the engine partitions the model states as the config says, broadcasts rank 0's parameters,
+    # and from here on does backward (loss scaling, gradient reduction), the optimizer step and zero_grad.
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(cfg, world_size)
+    )
+    n_steps = total_steps(cfg, len(train_set))
+    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
+    record = RunRecord(
+        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
+    )  # --- ZERO: every rank keeps the numbers, rank 0 writes them
+    record.data["strategy"].update(
+        zero_stage=stage,
+        offload_optimizer=cfg.extra["offload_optimizer"],
+        offload_params=cfg.extra["offload_params"],
+        deepspeed_version=deepspeed.__version__,
+    )
+
+    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
+    start_step = 0
+    if (path := resume_path(cfg)) is not None:
+        # --- ZERO: the index (step-N.pt: step, record, options, RNG, file hashes) names a complete
+        # checkpoint; DeepSpeed then loads its own sharded files from the folder beside it.
+        try:
+            state = load_checkpoint(path, cfg, n_steps)
+            check_zero_checkpoint(path, state, stage, world_size)
+        except CheckpointError as exc:  # --- ZERO: every rank finds it; rank 0 says it, once
+            fail(str(exc), IMPL) if is_main else sys.exit(2)
+        engine.load_checkpoint(
+            str(path.parent),
+            tag=state["deepspeed_tag"],
+            load_module_strict=True,
+            load_lr_scheduler_states=False,
+        )
+        # --- end ZERO ---
+        torch.set_rng_state(state["rng"])
+        record.load_state(state, path)  # the history so far, and what this session changes
+        start_step = state["step"]
+        if is_main:  # --- ZERO: one line, not one per rank
+            print(f"{IMPL}: {describe_resume(path, state)}")
+
+    # The lr is a function of the step: built after a resume, it continues where the run left off.
+    # --- ZERO: on the torch optimizer itself; DeepSpeed steps it on the flat partitions, keeping each
+    # param group's lr.
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
+
+    # --- ZERO: this rank's slice of every global batch (same order as single, any world size) ---
+    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
+    bar = progress_bar(n_steps, start_step, enabled=is_main, desc=f"{IMPL} ×{world_size}")
+    tb = tensorboard_writer(cfg, enabled=is_main)
+    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
+    pending_times: list[float] = []
+    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
+    compute_dtype = next(engine.module.parameters()).dtype  # --- ZERO: bf16/fp16 params under those
+
+    try:
+        with profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
+            for step in range(start_step, n_steps):
+                t0 = time.perf_counter()
+                step_loss = torch.zeros((), device=device)
+                for micro_step in range(cfg.grad_accum):
+                    x, y = next(micro_batches)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    if x.is_floating_point():  # --- ZERO: images in the parameters' dtype (bf16/fp16)
+                        x = x.to(compute_dtype)
+                    loss = loss_fn(engine(x), y)
+                    # --- ZERO: the engine divides by --grad-accum (each micro-batch is 1/K of this rank's
+                    # share) and, at the last micro-step, averages the gradients over the ranks (stage 0/1:
+                    # all-reduce; 2/3: reduce-scatter into each rank's partition). Not divided here too.
+                    engine.backward(loss)
+                    if state_bytes is None and step > start_step and micro_step == cfg.grad_accum - 1:
+                        # Gradients exist now (step() frees them) and the optimizer state since step 1.
+                        state_bytes = zero_model_state_bytes(engine, optimizer)
+                    # --- ZERO: a no-op but at the last micro-step: optimizer step on this rank's
+                    # partition, then (stage 1/2) all-gather of the updated parameters; zero_grad.
+                    engine.step()
+                    step_loss += loss.detach() / cfg.grad_accum
+                # --- ZERO: no scaler, optimizer.step() or zero_grad() here: engine.step() did them
+                scheduler.step()
+                synchronize(device)
+                pending_times.append(time.perf_counter() - t0)
+                pending_losses.append(step_loss)
+                prof.step()
+                bar.update(1)
+
+                done = step + 1
+                is_last = done == n_steps
+                eval_now = is_last or (
+                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
+                )
+                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
+                    # --- ZERO: average the losses over ranks (one all-reduce for all pending steps), so
+                    # rank 0 reports the global-batch loss, not its own slice's.
+                    losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
+                    record.add_steps(done - len(losses), losses, pending_times)
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+                    tb.add_scalar("train/loss", losses[-1], done)
+                    pending_losses, pending_times = [], []
+
+                if eval_now:
+                    eval_started = time.perf_counter()
+                    # --- ZERO: each rank scores its shard of the test set; sums are all-reduced. Each
+                    # rank's BatchNorm statistics came from its own slice: use rank 0's everywhere, the
+                    # ones the saved model has. Stage 3: parameters gathered whole for the evaluation
+                    # (shards differ in batch count, so forwards through the partitioned module, which
+                    # gather collectively, would not pair up across ranks).
+                    for buffer in engine.module.buffers():
+                        dist.broadcast(buffer, src=0)
+                    batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
+                    with deepspeed_gathered(engine.module.parameters(), stage):
+                        totals = evaluate(engine.module, batches, device, cfg)
+                    dist.all_reduce(totals)
+                    loss_sum, correct, count = totals
+                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
+                    record.add_eval(
+                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
+                    )
+                    bar.write(
+                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
+                    )
+                    tb.add_scalar("test/accuracy", accuracy, done)
+
+                if checkpoint_now:  # --- ZERO: every rank writes its partitions, rank 0 the index
+                    save_zero_checkpoint(engine, cfg, done, n_steps, record, world_size, is_main)
+    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
+        record.fail(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        bar.close()
+        tb.close()
+
+    # --- ZERO: the full fp32 state_dict of the core model, assembled from the partitions (keys identical
+    # for every impl); every rank takes part (stage 3 gathers), rank 0 writes.
+    if cfg.save_final:
+        final = full_fp32_state_dict(engine, stage)
+        if is_main:
+            save_checkpoint(cfg.save_final, final)
+    # --- ZERO: peak memory and model-state bytes (its partitions only) of every rank, gathered to rank 0
+    peaks = gather_to_rank0(peak_memory_bytes(device), world_size)
+    states = gather_to_rank0(state_bytes, world_size)
+    record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
+    if is_main:
+        print_summary(record.data)
+    return record.data
+
+
+# --- ZERO: checkpoints are DeepSpeed's own: each rank writes its partition of the optimizer states (and
+# at stage 3 of the parameters) into a folder step-N/ beside the index step-N.pt.
+def save_zero_checkpoint(
+    engine, cfg: RunConfig, done: int, n_steps: int, record: RunRecord, world_size: int, is_main: bool
+) -> None:
+    """DeepSpeed writes its files without a temporary name; the index, written atomically by rank 0 after
+    every rank has finished (barrier), is what makes the set complete: a crash mid-save leaves the
+    previous index the newest, and `--resume auto` never sees the half-written folder."""
+    index = checkpoint_path(cfg.checkpoint_dir, done)
+    tag = index.stem  # the folder DeepSpeed writes: <checkpoint-dir>/step-N/
+    engine.save_checkpoint(cfg.checkpoint_dir, tag=tag, save_latest=False)
+    dist.barrier()
+    if is_main:
+        state = {
+            "deepspeed_tag": tag,
+            "zero_stage": cfg.extra["zero_stage"],
+            "world_size": world_size,
+            # DeepSpeed loads its files with torch.load(weights_only=False), i.e. it unpickles them: their
+            # hashes, taken when written, are checked before that happens on resume.
+            "sha256": {f.name: file_sha256(f) for f in sorted((index.parent / tag).iterdir())},
+            "step": done,
+            "total_steps": n_steps,
+            "rng": torch.get_rng_state(),
+            "record": record.state(),
+            "config": cfg.to_dict(),
+        }
+        save_checkpoint(index, state)
+
+
+def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int) -> None:
+    """A ZeRO checkpoint holds one partition per rank for one stage: it resumes only the same layout
+    (convert it to a full state_dict for anything else; README). Its files must be the ones written."""
+    if (state.get("zero_stage"), state.get("world_size")) != (stage, world_size):
+        raise CheckpointError(
+            f"checkpoint {index} is ZeRO stage {state.get('zero_stage')} over {state.get('world_size')} "
+            f"ranks, this run stage {stage} over {world_size} ranks: resume with the same --zero-stage and "
+            "ranks, or convert it with get_fp32_state_dict_from_zero_checkpoint (README)"
+        )
+    folder = index.parent / state["deepspeed_tag"]
+    for name, digest in state["sha256"].items():
+        file = folder / name
+        if not file.is_file() or file_sha256(file) != digest:
+            raise CheckpointError(
+                f"checkpoint file {file} is missing or not the one written (sha256 differs)"
+            )
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# --- end ZERO ---
+
+
+if __name__ == "__main__":
+    with destroy_process_group_on_exit():  # --- ZERO: explicit teardown; stage 2 aborted at exit without
+        main()
+    exit_without_interpreter_teardown()  # --- ZERO: gloo threads vs Python's shutdown (distref/dist.py)
