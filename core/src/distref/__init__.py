@@ -6,7 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-__version__ = "0.2.0"
+__version__ = "0.3.1"  # = core/pyproject.toml (0.3.1: MNIST read without importing torchvision)
 
 
 def impl_version(train_file: str | Path) -> str:
