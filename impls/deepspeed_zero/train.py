@@ -223,7 +223,9 @@ def zero_model_state_bytes(engine, optimizer: torch.optim.Optimizer) -> dict[str
     params = list(engine.module.parameters())
     held = {"parameters": 0, "gradients": 0, "optimizer": 0}
     for p in params:
-        held["parameters"] += new_bytes(p.ds_tensor if hasattr(p, "ds_tensor") else p)
+        # Stage 3: the partition (ds_tensor), plus the whole tensor where it is present between uses (a
+        # "persistent" one, below stage3_param_persistence_threshold); released ones hold no storage.
+        held["parameters"] += new_bytes(p) + (new_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
     # Keyed by the tensors the optimizer steps: the flat fp32 partitions under ZeRO (stage 3 swaps them into
     # param_groups only while stepping, so param_groups may be empty now).
     for master, state in optimizer.state.items():
