@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import datetime
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -104,6 +105,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed: pip install deepspeed==0.19.8 -c <the constraints file pinning torch>"
     stage = cfg.extra["zero_stage"]
     if stage not in (0, 1, 2, 3):
         return f"--zero-stage {stage}: ZeRO has stages 0, 1, 2 and 3"

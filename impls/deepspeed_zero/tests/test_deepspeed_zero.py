@@ -206,6 +206,21 @@ def test_bad_input_is_one_line_before_any_process_group(argv, world, message, ca
     assert capsys.readouterr().err == f"deepspeed_zero/train.py: error: {message}\n"
 
 
+def test_missing_deepspeed_is_one_line(monkeypatch, capsys):
+    zero = load_train_module(IMPL)
+    find_spec = zero.importlib.util.find_spec
+    monkeypatch.setattr(
+        zero.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else find_spec(name)
+    )
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--dataset", "synthetic"], IMPL, zero.add_options, 2, zero.check_options)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "deepspeed_zero/train.py: error: deepspeed is not installed: pip install deepspeed==0.19.8 -c <the "
+        "constraints file pinning torch>\n"
+    )
+
+
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
     result = self_launched(IMPL, ["--zero-stage", "5", "--dataset", "synthetic"], timeout=120)
     assert result.returncode == 2
