@@ -115,7 +115,8 @@ ELASTIC += ["--resume", "auto", "--zero-stage", "3"]
 
 @pytest.mark.slow
 def test_killed_rank_resumes_exactly_and_the_checkpoint_converts_to_singles_state_dict(tmp_path):
-    check_killed_rank_resumes_exactly(IMPL, ELASTIC, 200, tmp_path)
+    single = [*SYNTHETIC, "--steps", "200", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
+    check_killed_rank_resumes_exactly(IMPL, ELASTIC, 200, tmp_path, single)
     # The last ZeRO-3 checkpoint (step 200, partitioned over 2 ranks) as one full fp32 state_dict, by
     # DeepSpeed's own converter: equal to the run's --save-final, and loadable by single's model.
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
