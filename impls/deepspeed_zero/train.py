@@ -115,8 +115,8 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     if cfg.extra["offload_optimizer"] and stage == 0:
         return "--offload-optimizer needs --zero-stage 1, 2 or 3 (stage 0 has no optimizer partition)"
     if cfg.precision == "bf16" and stage == 0:
-        # Measured: DeepSpeed 0.19 runs bf16 at stage 0 without fp32 master weights (updates are rounded
-        # to bf16), unlike stages 1-3; refuse rather than train a less accurate model silently.
+        # DeepSpeed 0.19 runs bf16 at stage 0 through its fp16-style path, without fp32 master weights
+        # (updates rounded to bf16), unlike stages 1-3: refused rather than a less accurate model silently.
         return "--precision bf16 needs --zero-stage 1, 2 or 3 (stage 0 keeps no fp32 master weights)"
     return None
 
