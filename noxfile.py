@@ -17,6 +17,7 @@ import nox
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "core" / "src"))  # distref.config needs no torch at import
+from distref import impl_dependencies  # noqa: E402
 from distref.config import with_defaults  # noqa: E402
 
 CONSTRAINTS = os.environ.get("DISTREF_CONSTRAINTS", str(ROOT / "ci" / "constraints.txt"))
@@ -53,13 +54,9 @@ def impl_settings(impl: str) -> dict:
 
 
 def impl_requirements(*impls: str) -> list[str]:
-    """What the impls need beyond torch and distref-core (their pyproject's dependencies), e.g. deepspeed."""
-    needed = []
-    for impl in impls:
-        with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
-            deps = tomllib.load(f)["project"].get("dependencies", [])
-        needed += [d for d in deps if not d.startswith(("distref", "torch"))]
-    return sorted(set(needed))
+    """What the impls need beyond torch (pinned by install_core) and distref-core, e.g. deepspeed."""
+    deps = [d for impl in impls for d in impl_dependencies(ROOT / "impls" / impl)]
+    return sorted({d for d in deps if not d.startswith("torch")})
 
 
 def impl_launcher(impl: str) -> str:

@@ -189,10 +189,11 @@ def full_fp32_state_dict(engine, stage: int) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
-    with deepspeed_gathered(module.parameters(), stage):
+    params = dict(module.named_parameters())
+    with deepspeed_gathered(params.values(), stage):
         state = {}
         for name, tensor in module.state_dict().items():
-            param = dict(module.named_parameters()).get(name)
+            param = params.get(name)
             master = safe_get_full_fp32_param(param) if param is not None else None
             value = master if master is not None else tensor
             state[name] = value.detach().float().cpu().clone() if value.is_floating_point() else value.cpu()

@@ -9,6 +9,13 @@ from pathlib import Path
 __version__ = "0.3.1"  # = core/pyproject.toml (0.3.1: MNIST read without importing torchvision)
 
 
+def impl_dependencies(impl_dir: str | Path) -> list[str]:
+    """What an impl needs besides distref-core: its pyproject.toml's dependencies (torch, deepspeed, ...)."""
+    with open(Path(impl_dir) / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"].get("dependencies", [])
+    return [d for d in deps if not d.startswith("distref")]
+
+
 def impl_version(train_file: str | Path) -> str:
     """The version of the impl whose train.py is `train_file`: its pyproject.toml's project.version."""
     pyproject = Path(train_file).resolve().parent / "pyproject.toml"

@@ -142,7 +142,7 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     (dest / "conftest.py").write_text(conftest)
 
     # 3. a pyproject that needs nothing from this repo
-    deps = [d for d in impl_project["project"].get("dependencies", []) if not d.startswith("distref")]
+    deps = distref.impl_dependencies(impls_dir / impl)
     deps.append("numpy")  # torch's object collectives (gather_object) need it; torch warns without it
     (dest / "pyproject.toml").write_text(f'''[build-system]
 requires = ["setuptools>=68"]
