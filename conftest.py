@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -59,7 +60,55 @@ def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
     return run_script([*cmd, str(train_path(impl)), *args], **kwargs)
 
 
-# ---- killing a rank (the fault tests of every multi-process impl) ------------------------------------
+# ---- faults: killing or stopping a rank (every multi-process impl), and the `nox -s faults` table -----
+
+_current_test: list[pytest.Item] = []
+
+
+@pytest.fixture(autouse=True)
+def _remember_the_running_test(request):
+    """Lets the fault helpers attach their measured time to the test's report (works under xdist)."""
+    _current_test[:] = [request.node]
+    yield
+    _current_test.clear()
+
+
+def measured(what: str, seconds: float) -> None:
+    """Record a measured time of the running fault test (the `nox -s faults` table shows it)."""
+    if _current_test:
+        _current_test[0].user_properties.append((what, round(seconds, 1)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """With `-m faults`: one row per fault test, its expected behaviour (the docstring's first line),
+    outcome and measured times."""
+    if "faults" not in (config.getoption("markexpr") or ""):
+        return
+    rows = []
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", "call") != "call" and outcome != "skipped":
+                continue
+            doc = FAULT_DOCS.get(report.nodeid) or report.nodeid.split("::")[-1]
+            times = (
+                ", ".join(f"{k} {v:g} s" for k, v in report.user_properties)
+                or f"{report.duration:.0f} s (test)"
+            )
+            rows.append(f"| `{report.nodeid.split('::')[-1]}` | {doc} | {outcome} | {times} |")
+    terminalreporter.write_line("\n| fault test | expected behaviour | outcome | measured |")
+    terminalreporter.write_line("|---|---|---|---|")
+    for row in sorted(rows):
+        terminalreporter.write_line(row)
+
+
+FAULT_DOCS: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("faults") and getattr(item, "function", None) is not None:
+            doc = (item.function.__doc__ or "").strip().splitlines()
+            FAULT_DOCS[item.nodeid] = doc[0] if doc else ""
 
 
 def worker_pid(marker: str, rank: int, deadline: float) -> int:
@@ -136,9 +185,58 @@ def check_killed_rank_ends_the_job(impl: str, args: list[str], tmp_path: Path) -
         str(train_path(impl)), [*args, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0
     )
     _, stderr = proc.communicate(timeout=120)
+    measured("job ended after the kill", time.time() - killed_at)
     assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
     assert proc.returncode != 0
     assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]  # torchrun's failure report
+
+
+def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, timeout_s: int = 10) -> None:
+    """Every multi-process impl: a rank that stops (SIGSTOP: alive, silent) fails the job once a collective
+    has waited --timeout, with one line naming the silent rank; then torchrun ends the job."""
+    ckpt_dir = tmp_path / "ckpt"
+    run_args = [
+        *args,
+        "--timeout",
+        str(timeout_s),
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--checkpoint-every",
+        "5",
+    ]
+    cmd = [sys.executable, str(train_path(impl)), "--nproc-per-node", "2", *run_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.time() + 120
+    from distref.checkpoint import latest_checkpoint
+
+    while latest_checkpoint(ckpt_dir) is None:  # training is under way
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    stopped = worker_pid(str(ckpt_dir), 1, deadline)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        named_at, lines = None, []
+        for line in proc.stderr:  # read as it comes, to time the line
+            lines.append(line)
+            if "stopped responding" in line and named_at is None:
+                named_at = time.time()
+        proc.wait(timeout=120)
+        ended_at = time.time()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
+        proc.kill()
+    assert named_at is not None, "".join(lines)[-3000:]
+    measured("failure named after the stop", named_at - stopped_at)
+    measured("job ended after the stop", ended_at - stopped_at)
+    named = [line for line in lines if "stopped responding" in line]
+    assert len(named) == 1 and named[0].startswith(f"{impl}: error: rank 1 stopped responding: "), named
+    assert f"rank 0 waited for it {timeout_s} s (--timeout)" in named[0]
+    assert named_at - stopped_at < timeout_s + 10  # --timeout, and a few seconds to hear from the others
+    # torch 2.13's agent then waits its fixed 30 s before SIGKILLing the stopped rank (pytorch #192815).
+    assert ended_at - stopped_at < timeout_s + 50 and proc.returncode == 1
 
 
 # ---- the proof every impl gives (README): parity with single, and a convergence target --------------
@@ -218,8 +316,8 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
             if not torch.equal(a[key], b[key]):
                 return math.inf
             continue
-        denom = b[key].float().norm().item() or 1.0
-        worst = max(worst, (a[key].float() - b[key].float()).norm().item() / denom)
+        denom = b[key].double().norm().item() or 1.0
+        worst = max(worst, (a[key].double() - b[key].double()).norm().item() / denom)
     return worst
 
 

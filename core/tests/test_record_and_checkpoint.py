@@ -72,6 +72,7 @@ def test_failed_run_leaves_a_failed_record(single_train, tmp_path, monkeypatch):
     assert record["status"] == "failed" and "loss exploded" in record["error"]
 
 
+@pytest.mark.faults
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     good = ckpt.save_checkpoint(ckpt.checkpoint_path(tmp_path, 10), {"step": 10})
 
@@ -136,6 +137,7 @@ def test_resume_auto_starts_fresh_without_checkpoints(single_train, tmp_path):
     assert record["status"] == "completed" and len(record["steps"]) == 4
 
 
+@pytest.mark.faults
 def test_checkpoint_from_another_run_is_refused(single_train, tmp_path, capsys):
     single_train.main([*FAST, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"])
     with pytest.raises(SystemExit) as exc:
@@ -287,3 +289,77 @@ def test_gpt_depth_must_match_on_resume_and_older_checkpoints_mean_the_default(
     torch.save(state, path)
     cfg = parse_config([*args, "--steps", "4", "--resume", str(path)], "single")
     assert ckpt.load_checkpoint(path, cfg, 4)["changes"] == {"steps": [2, 4], "total_steps": [2, 4]}
+
+
+def run_single_until_exit(single_train, args: list[str], capsys) -> tuple[int, str, str]:
+    """single's main in this process, expected to exit: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        single_train.main(args)
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+@pytest.mark.faults
+def test_unreadable_checkpoints_are_named_in_one_line_and_auto_falls_back(single_train, tmp_path, capsys):
+    ckpt_dir = tmp_path / "ckpt"
+    args = [*FAST, "--steps", "12", "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "4"]
+    single_train.main([*args, "--save-final", str(tmp_path / "straight.pt")])
+    newest, middle, oldest = (ckpt.checkpoint_path(ckpt_dir, s) for s in (12, 8, 4))
+    # A copy cut short (no zip central directory) and a flipped byte inside the data (CRC mismatch).
+    newest.write_bytes(newest.read_bytes()[:-200])
+    data = bytearray(middle.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    middle.write_bytes(data)
+    capsys.readouterr()
+    for broken, why in ((newest, "is unreadable"), (middle, "fails its CRC check")):
+        code, _, err = run_single_until_exit(
+            single_train, [*FAST, "--steps", "12", "--resume", str(broken)], capsys
+        )
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert str(broken) in err and why in err and "Traceback" not in err
+    # --resume auto skips both, says so, and resumes from step 4: the run still ends bit-identical.
+    single_train.main([*args, "--resume", "auto", "--save-final", str(tmp_path / "resumed.pt")])
+    out = capsys.readouterr().out
+    assert f"falling back to {oldest}" in out and str(newest) in out and str(middle) in out
+    assert f"resumed from {oldest} at step 4" in out
+    straight, resumed = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("straight", "resumed"))
+    assert max_relative_difference(resumed, straight) == 0.0
+    # Nothing readable left: one line, exit 2, rather than silently training from step 0.
+    for path in ckpt_dir.glob("step-*.pt"):
+        path.write_bytes(b"not a checkpoint")
+    code, out, err = run_single_until_exit(single_train, [*args, "--resume", "auto"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "no readable checkpoint" in err, err
+    assert "resumed" not in out
+
+
+@pytest.mark.faults
+def test_a_diverged_run_stops_at_its_step_and_keeps_its_checkpoints(single_train, tmp_path, capsys):
+    out, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
+    args = [
+        "--model",
+        "lenet",
+        "--dataset",
+        "synthetic",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e9",
+        "--steps",
+        "30",
+    ]
+    args += ["--log-every", "1", "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "1"]
+    args += ["--out", str(out), "--save-final", str(tmp_path / "final.pt")]
+    code, _, _ = run_single_until_exit(single_train, args, capsys)
+    record = load_record(out)
+    first_bad = next(s["step"] for s in record["steps"] if s["loss"] is None) + 1  # 1-based, as printed
+    assert (
+        code
+        == f"single: error: the loss is nan at step {first_bad}: training diverged; lower --lr (now 1e+09). Checkpoints from before it are kept"
+    )
+    assert record["status"] == "failed" and f"at step {first_bad}:" in record["error"]
+    assert len(record["steps"]) == first_bad  # it stopped there
+    jsonschema.validate(record, json.loads(SCHEMA_PATH.read_text()))  # nan is written as null: valid JSON
+    # Every step before it was checkpointed; nothing after it, and no final model, was written.
+    assert ckpt.latest_checkpoint(ckpt_dir) == ckpt.checkpoint_path(ckpt_dir, first_bad - 1)
+    assert not (tmp_path / "final.pt").exists()
+    assert torch.load(ckpt.latest_checkpoint(ckpt_dir), weights_only=True)["step"] == first_bad - 1

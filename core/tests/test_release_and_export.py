@@ -72,11 +72,12 @@ def test_build_outputs_are_not_behaviour_but_new_files_are(in_git, tmp_path):
 def torch_only_python(tmp: Path, extra: Sequence[str] = ()) -> Path:
     """A fresh venv that sees what an exported project depends on — torch and numpy (torch's object
     collectives need it), the impl's own `extra` requirements (deepspeed), with their own dependencies —
-    and nothing else: no distref, no torchvision."""
+    and nothing else: no distref, no torchvision. setuptools too (torch needs it anyway): the export's
+    build backend, for `pip install --no-build-isolation` there (see `pip_install`)."""
     farm = tmp / "torch-only-site"
     farm.mkdir(parents=True)
     site = Path(torch.__file__).parents[1]
-    todo, seen = ["torch", "numpy", *extra], set()
+    todo, seen = ["torch", "numpy", "setuptools", *extra], set()
     while todo:
         try:
             dist = importlib.metadata.distribution(todo.pop())
@@ -95,6 +96,36 @@ def torch_only_python(tmp: Path, extra: Sequence[str] = ()) -> Path:
     venv_site = next((venv / "lib").glob("python3*/site-packages"))
     (venv_site / "torch_only.pth").write_text(str(farm) + "\n")
     return venv / "bin" / "python"
+
+
+def pip_install(python: Path, dest: Path, *target: str) -> subprocess.CompletedProcess:
+    """`pip install -c constraints.txt TARGET` in the exported project `dest`, into `python`'s venv, as its
+    README says, but offline and reading no pip configuration (no index, no find-links): it succeeds only
+    if everything the export depends on (torch, numpy, deepspeed, and theirs) is already installed there,
+    and it installs the export alone. The pip is the test environment's, pointed at the venv (`pip
+    --python`, pip >= 22.3: the venv has none of its own), without build isolation (which would fetch
+    setuptools: the venv has it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
+    env |= {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index"]
+    cmd += ["--no-build-isolation", "--no-cache-dir", "-c", "constraints.txt", *target]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=dest, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Requirement already satisfied: torch" in result.stdout  # the pinned torch, seen as installed
+    with open(dest / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    installed = [line for line in result.stdout.splitlines() if line.startswith("Successfully installed")]
+    assert installed == [f"Successfully installed {project['name']}-{project['version']}"]
+    return result
+
+
+def where_python_imports(python: Path, package: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Where `import PACKAGE` comes from in `python`, started in `cwd` without putting it on sys.path (-P):
+    from an install, not from the folder it runs in."""
+    code = f"import {package}; print({package}.__file__)"
+    return subprocess.run(
+        [str(python), "-s", "-E", "-P", "-c", code], capture_output=True, text=True, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +201,19 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     assert "from distref." not in (dest / "train.py").read_text()
     assert f"impl `{impl}`" in (dest / "README.md").read_text().splitlines()[0]  # version stamped
 
+    # `pip install .` (-e: test_exported_project_installs_editable_and_its_tests_run_on_the_install): the
+    # vendored core, with its data files, is copied into the venv; the folder's own copy is then moved
+    # away, so that the run below can only import what was installed
+    package = f"distref_{impl}"
+    pip_install(fresh_python, dest, ".")
+    where = where_python_imports(fresh_python, package, tmp_path)
+    assert where.returncode == 0, where.stderr
+    installed = Path(where.stdout.strip())
+    venv = fresh_python.parents[1]
+    assert installed.parent.parent.name == "site-packages" and installed.is_relative_to(venv), installed
+    assert (installed.parent / "record.schema.json").is_file()
+    (dest / package).rename(tmp_path / f"{package}-source")
+
     def run_exported(*args: str) -> subprocess.CompletedProcess:
         """`python train.py ARGS` there, as its README says (ddp starts its 2 ranks itself)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
@@ -193,6 +237,33 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     single.main([*SYNTHETIC, *same_sums, "--save-final", str(tmp_path / "repo.pt")])
     result = torch.load(tmp_path / "exported.pt", weights_only=True)
     assert max_relative_difference(result, torch.load(tmp_path / "repo.pt", weights_only=True)) == 0.0
+
+
+def test_exported_project_installs_editable_and_its_tests_run_on_the_install(tmp_path):
+    """The README's `pip install -c constraints.txt -e .` in a fresh venv (torch, numpy and pytest, no
+    distref): the vendored core is importable from anywhere, and the export's own tests — one of them a
+    short training in-process — pass with it imported only through the install. (`pip install .` and a
+    run of train.py on what it installed: test_exported_impl_trains_outside_the_repo_like_inside.)"""
+    python = torch_only_python(tmp_path / "fresh", ["pytest"])
+    dest = export("ddp", tmp_path / "my-ddp")
+    before = where_python_imports(python, "distref_ddp", tmp_path)
+    assert before.returncode == 1 and "No module named 'distref_ddp'" in before.stderr
+    pip_install(python, dest, "-e", ".")
+    after = where_python_imports(python, "distref_ddp", tmp_path)
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.strip() == str(dest / "distref_ddp" / "__init__.py")  # editable: the folder's copy
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DISTREF"))}
+    tests = "ddp_options_take_effect or static_graph_with_grad_accum"  # trains 4 steps in-process; parses
+    result = subprocess.run(
+        [str(python), "-s", "-E", "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests],
+        capture_output=True,
+        text=True,
+        cwd=dest,
+        env=env | {"OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 passed" in result.stdout
 
 
 def test_exported_tests_run_there(tmp_path):

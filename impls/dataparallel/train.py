@@ -48,8 +48,10 @@ from distref.training import (
     make_lr_schedule,
     make_optimizer,
     model_state_bytes,
+    param_dtype,
     pick_device,
     seed_everything,
+    stop_if_diverged,
     synchronize,
     total_steps,
     unwrap_state_dict,
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- DataParallel: replicate across every visible GPU each step; GPU 0 gathers and steps ---
     gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
                     losses = torch.stack(pending_losses).tolist()
                     record.add_steps(done - len(losses), losses, pending_times)
+                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     tb.add_scalar("train/loss", losses[-1], done)
                     pending_losses, pending_times = [], []

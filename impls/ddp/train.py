@@ -57,8 +57,10 @@ from distref.training import (
     make_lr_schedule,
     make_optimizer,
     model_state_bytes,
+    param_dtype,
     pick_device,
     seed_everything,
+    stop_if_diverged,
     synchronize,
     total_steps,
     unwrap_state_dict,
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
     model = apply_ddp(model, cfg, device, rank)
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
                     # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
                     losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
                     record.add_steps(done - len(losses), losses, pending_times)
+                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     tb.add_scalar("train/loss", losses[-1], done)
                     pending_losses, pending_times = [], []
@@ -340,6 +343,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    with destroy_process_group_on_exit():  # --- DDP: clean teardown on every exit path
+    with destroy_process_group_on_exit(IMPL):  # --- DDP: clean teardown on every exit path
         main()
     exit_without_interpreter_teardown()  # --- DDP: gloo threads vs Python's shutdown (distref/dist.py)

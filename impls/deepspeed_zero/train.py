@@ -62,8 +62,10 @@ from distref.training import (
     loss_fn,
     make_lr_schedule,
     make_optimizer,
+    param_dtype,
     pick_device,
     seed_everything,
+    stop_if_diverged,
     synchronize,
     total_steps,
 )
@@ -114,6 +116,10 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
         return f"--offload-params needs --zero-stage 3 (only stage 3 partitions parameters; got {stage})"
     if cfg.extra["offload_optimizer"] and stage == 0:
         return "--offload-optimizer needs --zero-stage 1, 2 or 3 (stage 0 has no optimizer partition)"
+    if cfg.precision == "fp64":
+        # Measured with 0.19.8: stage 0's gradient all-reduce asserts "unsupported grad type:
+        # torch.float64"; stages 1-3 run, but their optimizer steps on fp32 master copies, i.e. not fp64.
+        return "--precision fp64: DeepSpeed 0.19 trains in fp32, bf16 or fp16 only (fp32 master weights)"
     if cfg.precision == "bf16" and stage == 0:
         # DeepSpeed 0.19 runs bf16 at stage 0 through its fp16-style path, without fp32 master weights
         # (updates rounded to bf16), unlike stages 1-3: refused rather than a less accurate model silently.
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     optimizer = make_optimizer(cfg, model.parameters())
     # --- ZERO: the engine partitions the model states as the config says, broadcasts rank 0's parameters,
@@ -398,6 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
                     # rank 0 reports the global-batch loss, not its own slice's.
                     losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
                     record.add_steps(done - len(losses), losses, pending_times)
+                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     tb.add_scalar("train/loss", losses[-1], done)
                     pending_losses, pending_times = [], []
@@ -488,6 +495,11 @@ def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int)
             "ranks, or convert it with get_fp32_state_dict_from_zero_checkpoint (README)"
         )
     folder = index.parent / state["deepspeed_tag"]
+    # DeepSpeed globs its model files (mp_rank_*_model_states.pt): the folder holds what the index lists.
+    if not state["sha256"]:
+        raise CheckpointError(f"checkpoint {index} lists no DeepSpeed files to verify")
+    if folder.is_dir() and (unlisted := sorted({f.name for f in folder.iterdir()} - set(state["sha256"]))):
+        raise CheckpointError(f"checkpoint folder {folder} holds files its index does not list: {unlisted}")
     for name, digest in state["sha256"].items():
         file = folder / name
         if not file.is_file() or file_sha256(file) != digest:
@@ -505,6 +517,6 @@ def file_sha256(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    with destroy_process_group_on_exit():  # --- ZERO: explicit teardown; stage 2 aborted at exit without
+    with destroy_process_group_on_exit(IMPL):  # --- ZERO: explicit teardown; stage 2 aborted at exit without
         main()
     exit_without_interpreter_teardown()  # --- ZERO: gloo threads vs Python's shutdown (distref/dist.py)

@@ -65,9 +65,11 @@ from distref.training import (
     make_lr_schedule,
     make_optimizer,
     model_state_bytes,
+    param_dtype,
     pick_device,
     score,
     seed_everything,
+    stop_if_diverged,
     synchronize,
     total_steps,
     unwrap_state_dict,
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
     # parameters), keeps its own part(s) on its device(s) and lets the rest go.
     bounds = part_bounds(cuts, len(model))
@@ -376,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
                         dist.broadcast(losses, src=last_rank)
                     losses = losses.tolist()
                     record.add_steps(done - len(losses), losses, pending_times)
+                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     tb.add_scalar("train/loss", losses[-1], done)
                     pending_losses, pending_times = [], []
@@ -446,6 +449,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    with destroy_process_group_on_exit():  # --- MODEL PARALLEL: clean teardown on every exit path
+    with destroy_process_group_on_exit(IMPL):  # --- MODEL PARALLEL: clean teardown on every exit path
         main()
     exit_without_interpreter_teardown()  # --- MODEL PARALLEL: gloo threads vs Python's shutdown

@@ -84,9 +84,11 @@ from distref.training import (
     make_lr_schedule,
     make_optimizer,
     model_state_bytes,
+    param_dtype,
     pick_device,
     score,
     seed_everything,
+    stop_if_diverged,
     synchronize,
     total_steps,
     unwrap_state_dict,
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as exc:
         fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     # --- PIPELINE: every rank builds the whole model (same seed, same parameters as single), keeps the
     # blocks of its stages and lets the rest go. Each stage is a BlockModel of whole blocks, so
     # parameter names stay the core model's.
@@ -540,6 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
                     dist.all_reduce(losses)
                     losses = (losses / dp).tolist()
                     record.add_steps(done - len(losses), losses, pending_times)
+                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
                     tb.add_scalar("train/loss", losses[-1], done)
                     pending_losses, pending_times = [], []
@@ -620,6 +623,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    with destroy_process_group_on_exit():  # --- PIPELINE: clean teardown on every exit path
+    with destroy_process_group_on_exit(IMPL):  # --- PIPELINE: clean teardown on every exit path
         main()
     exit_without_interpreter_teardown()  # --- PIPELINE: gloo threads vs Python's shutdown

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-__version__ = "0.3.1"  # = core/pyproject.toml (0.3.1: MNIST read without importing torchvision)
+__version__ = "0.4.0"  # = core/pyproject.toml (0.4.0: fp64, nan stop, checkpoint fallback, parity matrix)
 
 
 def impl_dependencies(impl_dir: str | Path) -> list[str]:

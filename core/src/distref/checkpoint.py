@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +75,51 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why checkpoint `path`, or a file written beside it for it (pipeline's step-N.<part>.pt), cannot be
+    read; None if all can. torch.save writes a zip archive: a truncated file has no central directory and
+    a corrupted one fails a member's CRC, both found by reading the bytes, without unpickling anything."""
+    path = Path(path)
+    for file in [path, *sorted(path.parent.glob(f"{path.stem}.*.pt"))]:
+        try:
+            with zipfile.ZipFile(file) as archive:
+                corrupt = archive.testzip()
+        except (OSError, zipfile.BadZipFile, EOFError) as exc:
+            return f"{file} is unreadable ({exc})"
+        if corrupt is not None:
+            return f"{file} is corrupt ({corrupt} fails its CRC check)"
+    return None
+
+
 def resume_path(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from: --resume PATH (checked readable by the config), or for `auto` the
+    newest readable one in --checkpoint-dir (None if there is none yet: the run starts). An unreadable
+    newer one (a disk error, a copy cut short) is skipped and rank 0 says so; if none is readable, the run
+    stops in one line rather than silently starting over."""
     if cfg.resume is None:
         return None
-    if cfg.resume == "auto":
-        return latest_checkpoint(cfg.checkpoint_dir)
-    return Path(cfg.resume)
+    if cfg.resume != "auto":
+        return Path(cfg.resume)
+    directory = Path(cfg.checkpoint_dir)
+    found = (
+        sorted(p for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name)) if directory.is_dir() else []
+    )
+    say = os.environ.get("RANK", "0") == "0"
+    problems = []
+    for path in reversed(found):
+        if (problem := checkpoint_problem(path)) is None:
+            if problems and say:
+                print(f"--resume auto: {'; '.join(problems)}: falling back to {path}", flush=True)
+            return path
+        problems.append(problem)
+    if problems:
+        if say:
+            sys.stderr.write(
+                f"error: --resume auto: no readable checkpoint in {directory} ({'; '.join(problems)}); "
+                "move them away to start over\n"
+            )
+        sys.exit(2)
+    return None
 
 
 def options(config: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +135,8 @@ def load_checkpoint(path: str | Path, cfg: RunConfig, total_steps: int) -> dict[
     `state["changes"]`: {option: [in the checkpoint, now]} for every option this session changes."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from exc
+    except Exception as exc:  # the first line: torch's errors can run to a page
+        raise CheckpointError(f"cannot load checkpoint {path}: {str(exc).strip().splitlines()[0]}") from exc
     # Options a checkpoint predates (e.g. gpt_layers, added in core 0.3.0) had their default value then.
     defaults = options(RunConfig().to_dict())
     saved, current = {**defaults, **options(state.get("config", {}))}, options(cfg.to_dict())

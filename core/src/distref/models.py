@@ -176,9 +176,16 @@ def gpt(cfg: GPTConfig) -> BlockModel:
     return model
 
 
-def build_model(name: str, info: DatasetInfo, gpt_layers: int = 2) -> BlockModel:
+def build_model(
+    name: str, info: DatasetInfo, gpt_layers: int = 2, dtype: torch.dtype = torch.float32
+) -> BlockModel:
     """The model for a dataset (`gpt_layers`: gpt's transformer blocks). Call after seeding: every impl
-    must start from the same parameters."""
+    must start from the same parameters. Initialised in fp32 whatever `dtype` (float64 for --precision
+    fp64 is the fp32 initialisation, widened), so every precision starts from the same values."""
+    return _build_model(name, info, gpt_layers).to(dtype)
+
+
+def _build_model(name: str, info: DatasetInfo, gpt_layers: int) -> BlockModel:
     if name == "lenet":
         if info.input_shape != (1, 28, 28):
             raise ValueError(f"lenet takes 1×28×28 images, {info.name} has {info.input_shape}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import resource
@@ -127,7 +128,7 @@ class RunRecord:
     # -- measurements -------------------------------------------------------------------------------
     def add_steps(self, first_step: int, losses: list[float], step_times: list[float]) -> None:
         rows = [
-            {"step": first_step + i, "loss": loss, "step_time_s": t}
+            {"step": first_step + i, "loss": loss if math.isfinite(loss) else None, "step_time_s": t}
             for i, (loss, t) in enumerate(zip(losses, step_times, strict=True))
         ]
         self.data["steps"].extend(rows)

@@ -86,9 +86,17 @@ def make_lr_schedule(
     )
 
 
+def param_dtype(cfg: RunConfig) -> torch.dtype:
+    """The parameters' dtype: float64 under --precision fp64, else float32 (bf16/fp16 are autocast over
+    fp32 parameters). In fp64 the rounding that a different summation order leaves (~1e-16 instead of
+    ~1e-7) stays negligible even after AdamW normalises tiny gradients: parity holds for any optimizer,
+    world size and accumulation."""
+    return torch.float64 if cfg.precision == "fp64" else torch.float32
+
+
 def autocast(cfg: RunConfig, device: torch.device):
     """Mixed precision for forward + loss: bf16 autocast on CPU or CUDA, fp16 autocast on CUDA."""
-    if cfg.precision == "fp32":
+    if cfg.precision in ("fp32", "fp64"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -100,15 +108,44 @@ def make_grad_scaler(cfg: RunConfig, device: torch.device) -> torch.amp.GradScal
     return torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits widened to fp32 for the loss (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class TrainingDiverged(SystemExit):
+    """The loss became nan or inf. Nothing trained after that can be trusted, so the run stops: a
+    SystemExit, i.e. exit code 1 and one line (the message), not a traceback; the except block of the
+    loop has recorded the failure, and every checkpoint written before it is kept."""
+
+
+def stop_if_diverged(losses: list[float], first_step: int, cfg: RunConfig, prog: str) -> None:
+    """Stop the run at the first non-finite loss of `losses` (optimizer steps first_step, first_step+1,
+    ...). Called where the losses reach the CPU anyway (every --log-every steps, and before every
+    evaluation and checkpoint): no checkpoint or final model is written after a diverged step, and no
+    step pays for a device sync. Under torchrun every rank sees the same (all-reduced) losses and stops at
+    the same place, and rank 0 alone says why."""
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            hint = f"lower --lr (now {cfg.lr:g})"
+            if cfg.precision in ("bf16", "fp16"):
+                hint += f", or train in fp32 (now --precision {cfg.precision})"
+            message = (
+                f"{prog}: error: the loss is {loss} at step {first_step + i + 1}: training diverged; {hint}. "
+                "Checkpoints from before it are kept"
+            )
+            raise TrainingDiverged(message if os.environ.get("RANK", "0") == "0" else 1)
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every scored target (class labels, or tokens other than IGNORE_INDEX)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(at_least_fp32(logits.flatten(0, -2)), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[loss sum, correct predictions, scored targets] of one batch, as a float64 tensor on the logits'
     device: sums, so that batches, shards and ranks add up (and all-reduce in one call)."""
-    flat_logits, flat_targets = logits.flatten(0, -2).float(), targets.flatten()
+    flat_logits, flat_targets = at_least_fp32(logits.flatten(0, -2)), targets.flatten()
     scored = flat_targets != IGNORE_INDEX
     return torch.stack(
         [
@@ -153,10 +190,11 @@ def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim
 
 
 def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The core model's full fp32 state_dict on CPU, whatever wrapper (DDP, DataParallel) holds it."""
+    """The core model's full state_dict on CPU (fp32; fp64 under --precision fp64), whatever wrapper (DDP,
+    DataParallel) holds it."""
     inner = getattr(model, "module", model)
     return {
-        k: v.detach().float().cpu().clone() if v.is_floating_point() else v.cpu().clone()
+        k: at_least_fp32(v.detach()).cpu().clone() if v.is_floating_point() else v.cpu().clone()
         for k, v in inner.state_dict().items()
     }
 

@@ -19,6 +19,7 @@ from conftest import (
     batchnorm_args,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_stopped_rank_is_named,
     counting_block_calls,
     expected_time_to_target,
     load_train_module,
@@ -27,10 +28,12 @@ from conftest import (
     parity_args,
     run_script,
     score_saved_model,
+    self_launched,
     torchrun,
     train_path,
 )
 from distref.config import parse_config
+from distref.parity import FP64_TOLERANCE
 
 TRAIN = str(train_path("ddp"))
 SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]
@@ -116,6 +119,7 @@ def test_powersgd_is_refused_on_cpu_before_training():
     assert result.stderr.count("powersgd is not reliable") == 1  # said once (rank 0), not once per rank
 
 
+@pytest.mark.faults
 def test_batch_not_divisible_by_world_size_is_one_line(tmp_path):
     result = torchrun(4, "ddp", ["--dataset", "synthetic", "--global-batch-size", "6"], timeout=120)
     assert result.returncode != 0
@@ -142,6 +146,7 @@ def test_plain_python_starts_the_ranks_itself_with_the_same_result(single_refere
     assert max_relative_difference(final, single_reference("lenet", 2)) == 0.0
 
 
+@pytest.mark.faults
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
     result = python_train(["--nproc-per-node", "3", "--dataset", "synthetic", "--global-batch-size", "8"])
     assert result.returncode == 2
@@ -153,6 +158,7 @@ def test_plain_python_refuses_bad_input_before_starting_any_rank():
     assert "starting" not in result.stdout  # no rank was started
 
 
+@pytest.mark.faults
 def test_a_failing_rank_ends_the_job_in_one_line_naming_it(tmp_path):
     too_short = tmp_path / "short.txt"
     too_short.write_text("too short to train on\n")
@@ -205,6 +211,7 @@ def test_static_graph_with_grad_accum_is_refused_in_one_line(capsys):
     )
 
 
+@pytest.mark.faults
 def test_bad_data_root_is_one_line_before_any_process_group(tmp_path):
     result = torchrun(2, "ddp", ["--data-root", "/etc/passwd/x"], timeout=120)
     assert result.returncode != 0
@@ -299,14 +306,40 @@ ELASTIC = [
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     single = [*SYNTHETIC, "--steps", "400", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly("ddp", ELASTIC, 400, tmp_path, single)
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
     check_killed_rank_ends_the_job("ddp", ELASTIC, tmp_path)
+
+
+@pytest.mark.faults
+def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
+    """A SIGSTOPped rank: one line names it after --timeout (10 s here), exit code 1."""
+    check_stopped_rank_is_named("ddp", [*SYNTHETIC, "--steps", "100000"], tmp_path)
+
+
+@pytest.mark.faults
+def test_a_diverged_run_stops_every_rank_in_one_line(tmp_path):
+    """nan loss: every rank stops at the same flush, rank 0 alone names the step, exit code 1."""
+    out = tmp_path / "out"
+    args = [*SYNTHETIC, "--optimizer", "sgd", "--lr", "1e9", "--steps", "30", "--out", str(out)]
+    result = self_launched("ddp", ["--nproc-per-node", "2", *args], timeout=120)
+    assert result.returncode == 1
+    named = [line for line in result.stderr.splitlines() if "training diverged" in line]
+    record = json.loads((out / "record.json").read_text())
+    first_bad = next(s["step"] for s in record["steps"] if s["loss"] is None) + 1
+    assert named == [
+        f"ddp: error: the loss is nan at step {first_bad}: training diverged; lower --lr (now 1e+09). "
+        "Checkpoints from before it are kept"
+    ]
+    assert record["status"] == "failed" and "Traceback" not in result.stderr
 
 
 def free_port() -> int:
@@ -352,3 +385,16 @@ def test_two_node_rendezvous_matches_single_node(single_reference, tmp_path):
         torch.load(tmp_path / "f.pt", weights_only=True), single_reference("lenet")
     )
     assert diff < PARITY_TOLERANCE, diff
+
+
+def test_fp64_equals_plain_single_at_three_ranks_with_adamw_and_accumulation(tmp_path):
+    """fp64 (the parity matrix's proof where fp32 AdamW cannot be exact): 3 ranks × --grad-accum 2 against
+    plain single; `nox -s parity` runs every world size, accumulation and optimizer."""
+    args = ["--model", "lenet", "--dataset", "synthetic", "--steps", "10", "--global-batch-size", "48"]
+    args += ["--precision", "fp64", "--optimizer", "adamw", "--lr", "0.01"]
+    result = torchrun(3, "ddp", [*args, "--grad-accum", "2", "--save-final", str(tmp_path / "ddp.pt")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    load_train_module("single").main([*args, "--save-final", str(tmp_path / "single.pt")])
+    ddp, single = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("ddp", "single"))
+    assert all(v.dtype == torch.float64 for v in ddp.values() if v.is_floating_point())
+    assert 0 < max_relative_difference(ddp, single) < FP64_TOLERANCE  # summed in another order, yet equal

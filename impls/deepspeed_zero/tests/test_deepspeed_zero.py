@@ -114,6 +114,7 @@ ELASTIC += ["--resume", "auto", "--zero-stage", "3"]
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_resumes_exactly_and_the_checkpoint_converts_to_singles_state_dict(tmp_path):
     single = [*SYNTHETIC, "--steps", "200", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 200, tmp_path, single)
@@ -128,10 +129,12 @@ def test_killed_rank_resumes_exactly_and_the_checkpoint_converts_to_singles_stat
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     check_killed_rank_ends_the_job(IMPL, ELASTIC, tmp_path)
 
 
+@pytest.mark.faults
 def test_checkpoint_of_another_layout_or_altered_is_refused_in_one_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = [*SYNTHETIC, "--steps", "4", "--global-batch-size", "16", "--checkpoint-dir", str(ckpt)]
@@ -222,6 +225,7 @@ def test_missing_deepspeed_is_one_line(monkeypatch, capsys):
     )
 
 
+@pytest.mark.faults
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
     result = self_launched(IMPL, ["--zero-stage", "5", "--dataset", "synthetic"], timeout=120)
     assert result.returncode == 2

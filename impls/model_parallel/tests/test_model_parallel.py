@@ -143,6 +143,7 @@ def test_more_ranks_than_blocks_stops_before_any_rank_starts():
     assert "starting" not in result.stdout  # no rank was started
 
 
+@pytest.mark.faults
 def test_a_checkpoint_cut_elsewhere_is_refused(tmp_path):
     ckpt = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"]
     run_mp(
@@ -190,12 +191,14 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     single = [*ELASTIC[:10], "--global-batch-size", "32"]  # the same workload; parts sum as single does
     check_killed_rank_resumes_exactly("model_parallel", ELASTIC, 300, tmp_path, single)
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     check_killed_rank_ends_the_job("model_parallel", ELASTIC, tmp_path)
 

@@ -312,12 +312,14 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     single = [*ELASTIC[:10], "--global-batch-size", "32", "--grad-accum", "4"]  # M = 4 micro-batches
     check_killed_rank_resumes_exactly("pipeline", ELASTIC, 300, tmp_path, single)
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     check_killed_rank_ends_the_job("pipeline", ELASTIC, tmp_path)
     # The checkpoint it left (zbv: rank 0 holds conv1 and fc2) fits only the same layout of stages.

@@ -1,0 +1,247 @@
+"""The parity matrix: every impl, at every world size and accumulation it supports, with SGD and AdamW, in
+fp32 and fp64, against impls/single.
+
+    python -m distref.parity                        # every impl; lenet, synthetic data, 10 steps
+    python -m distref.parity --impls ddp,pipeline --model gpt --steps 20
+    nox -s parity
+
+Which single run is the oracle, and how close it must be (the README's "Parity: what we know"):
+- fp64, any optimizer: plain single in fp64, within FP64_TOLERANCE. fp64 rounding (~1e-16) stays
+  negligible even where AdamW normalises tiny gradients, so the other summation order of ranks,
+  all-reduces and micro-batches does not matter.
+- fp32 SGD: plain single, within FP32_TOLERANCE (SGD does not amplify rounding).
+- fp32 AdamW: single `--grad-accum S`, S = the micro-batch sums the impl makes per step, within
+  FP32_TOLERANCE; only where S is a power of two (dividing by S is then exact). Elsewhere AdamW turns 1e-7
+  rounding into differences of up to 1e-2 between two correct runs: the fp64 column is the proof.
+
+What each impl runs comes from its pyproject.toml, [tool.distref.parity]: `world_sizes`, `accumulation`
+(the option that splits a step: --grad-accum, pipeline's --microbatches) with its `values`, `variants`
+(strategy options, one row each) and `sums` ("world": each rank sums its own slice, S = world × K; "one":
+every rank sees the whole batch, S = K). A new impl joins by adding that table. Cases an impl refuses
+(DeepSpeed in fp64) show its one-line reason. Writes parity.md (a report section) and parity.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import json
+import math
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from distref.compare import discover, validate
+from distref.config import OneLineErrorParser, with_defaults
+
+FP32_TOLERANCE = 1e-5
+FP64_TOLERANCE = 1e-12  # measured: at most 5.8e-16 over the whole matrix (README); 1000× margin
+WORKLOAD = {
+    "--model": "lenet",
+    "--dataset": "synthetic",
+    "--steps": "10",
+    # Divisible by every world size × accumulation in the matrix (2, 3, 4 × 1, 2; 2, 4 micro-batches).
+    "--global-batch-size": "48",
+    "--lr": "0.01",
+    "--log-every": "10",
+}
+COLUMNS = [("fp32", "sgd"), ("fp32", "adamw"), ("fp64", "sgd"), ("fp64", "adamw")]
+
+
+def parity_settings(impl_dir: Path) -> dict:
+    """The impl's [tool.distref.parity] table, with defaults for a one-process impl."""
+    with open(impl_dir / "pyproject.toml", "rb") as f:
+        table = tomllib.load(f).get("tool", {}).get("distref", {}).get("parity", {})
+    return {
+        "world_sizes": table.get("world_sizes", [1]),
+        "accumulation": table.get("accumulation", "--grad-accum"),
+        "values": table.get("values", [1, 2]),
+        "variants": table.get("variants", [[]]),
+        "sums": table.get("sums", "one"),
+    }
+
+
+def oracle(impl: str, settings: dict, world: int, accum: int, precision: str, optimizer: str) -> tuple:
+    """(single --grad-accum S to compare with, tolerance), or (None, why the cell does not apply)."""
+    if precision == "fp64":
+        return 1, FP64_TOLERANCE
+    if optimizer == "sgd":
+        return 1, FP32_TOLERANCE
+    if impl == "single":
+        return None, "the oracle itself"
+    sums = accum * (world if settings["sums"] == "world" else 1)
+    if sums & (sums - 1):
+        return None, f"{sums} micro-batch sums: not exact in fp32 (fp64 column)"
+    return sums, FP32_TOLERANCE
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    """max over tensors of ||a - b|| / ||b|| (float64 arithmetic); inf if integer buffers differ."""
+    import torch
+
+    worst = 0.0
+    for key in b:
+        if not b[key].is_floating_point():
+            if not torch.equal(a[key], b[key]):
+                return math.inf
+            continue
+        denom = b[key].double().norm().item() or 1.0
+        worst = max(worst, (a[key].double() - b[key].double()).norm().item() / denom)
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineErrorParser(prog="python -m distref.parity", description=__doc__.splitlines()[0])
+    parser.add_argument("--impls", help="comma-separated impls (default: every impls/*/train.py)")
+    parser.add_argument(
+        "--out", help="folder for parity.md, parity.json and the runs (default runs/parity/<time>)"
+    )
+    parser.add_argument("--impls-dir", default="impls")
+    args, run_args = parser.parse_known_args(argv)
+    available = discover(Path(args.impls_dir))
+    chosen = args.impls.split(",") if args.impls else list(available)
+    if unknown := [name for name in chosen if name not in available]:
+        parser.error(f"unknown impl(s) {', '.join(unknown)}; available: {', '.join(available)}")
+    run_args = with_defaults(WORKLOAD, run_args)
+    out = Path(args.out or Path("runs") / "parity" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    single = available["single"]["train"]
+
+    # Plan every cell first (validating each run as its train.py would): a bad option fails in a second.
+    cells, references = [], set()
+    for impl in chosen:
+        info, settings = available[impl], parity_settings(available[impl]["train"].parent)
+        distributed = info["launcher"] == "torchrun"
+        for variant in settings["variants"]:
+            for world in settings["world_sizes"]:
+                for accum in settings["values"]:
+                    row = (impl, " ".join(variant), world, accum)
+                    for precision, optimizer in COLUMNS:
+                        case = [*run_args, "--precision", precision, "--optimizer", optimizer, *variant]
+                        case += [settings["accumulation"], str(accum)]
+                        reference, tolerance = oracle(impl, settings, world, accum, precision, optimizer)
+                        cell = {"row": row, "column": (precision, optimizer), "args": case}
+                        if reference is None:
+                            cells.append({**cell, "skip": tolerance})
+                            continue
+                        problem = refusal(impl, info["train"], case, world, distributed)
+                        if problem:
+                            cells.append({**cell, "refused": problem})
+                            continue
+                        ref_key = (precision, optimizer, reference)
+                        references.add(ref_key)
+                        cells.append({**cell, "reference": ref_key, "tolerance": tolerance})
+
+    started = time.perf_counter()
+    ref_files = {}
+    for precision, optimizer, accum in sorted(references):
+        path = out / "single" / f"{precision}-{optimizer}-accum{accum}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        args_ = [*run_args, "--precision", precision, "--optimizer", optimizer, "--grad-accum", str(accum)]
+        code = run([sys.executable, str(single), *args_, "--save-final", str(path)], path.with_suffix(".log"))
+        ref_files[precision, optimizer, accum] = path if code == 0 else None
+
+    import torch
+
+    to_run = [c for c in cells if "reference" in c]
+    for i, cell in enumerate(to_run, 1):
+        impl, variant, world, accum = cell["row"]
+        name = f"{impl}{'-' + variant.replace(' ', '') if variant else ''}-w{world}-a{accum}-{'-'.join(cell['column'])}"
+        final = out / impl / f"{name}.pt"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        train = str(available[impl]["train"])
+        launch = [sys.executable]
+        if available[impl]["launcher"] == "torchrun":
+            launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        t0 = time.perf_counter()
+        code = run([*launch, train, *cell["args"], "--save-final", str(final)], final.with_suffix(".log"))
+        reference = ref_files[cell["reference"]]
+        if code != 0 or reference is None:
+            cell["error"] = f"exit code {code}: see {final.with_suffix('.log')}"
+        else:
+            a, b = (torch.load(p, weights_only=True) for p in (final, reference))
+            cell["difference"] = max_relative_difference(a, b)
+            cell["passed"] = cell["difference"] <= cell["tolerance"]
+        verdict = cell.get("error") or f"{cell['difference']:.1e} {'ok' if cell['passed'] else 'FAIL'}"
+        print(
+            f"[{i}/{len(to_run)}] {name}: {verdict} ({time.perf_counter() - t0:.0f}s, "
+            f"{time.perf_counter() - started:.0f}s elapsed)",
+            flush=True,
+        )
+
+    section = render(cells, run_args, time.perf_counter() - started)
+    (out / "parity.md").write_text(section)
+    (out / "parity.json").write_text(json.dumps(cells, indent=1, default=str) + "\n")
+    print("\n" + section + f"\nwritten: {out / 'parity.md'}")
+    return 0 if all(c.get("passed", True) and "error" not in c for c in cells) else 1
+
+
+def refusal(impl: str, train: Path, args: list[str], world: int, distributed: bool) -> str | None:
+    """The impl's one-line refusal of `args` at `world` ranks, or None if it accepts them."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            validate(impl, train, args, world, distributed)
+    except SystemExit:
+        return err.getvalue().strip().split("error: ", 1)[-1]
+    return None
+
+
+def run(command: list[str], log: Path) -> int:
+    """One run, one thread per process (like every measurement here), its output kept in `log`."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        return subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
+
+
+def render(cells: list[dict], run_args: list[str], seconds: float) -> str:
+    """The matrix as a markdown section: impl rows, (precision, optimizer) columns."""
+    rows = list(dict.fromkeys(c["row"] for c in cells))
+    by_key = {(c["row"], c["column"]): c for c in cells}
+    header = "| impl | options | ranks | accum | " + " | ".join(f"{p} {o}" for p, o in COLUMNS) + " |"
+    lines = [
+        "## Parity with single",
+        "",
+        f"Max relative difference of every parameter after the run (`{' '.join(run_args)}`) against single: "
+        f"plain single in fp64 (tolerance {FP64_TOLERANCE:g}) and for fp32 SGD ({FP32_TOLERANCE:g}); for "
+        f"fp32 AdamW, single `--grad-accum S` with the impl's S micro-batch sums ({FP32_TOLERANCE:g}, "
+        "where S is a power of two). accum: --grad-accum, or pipeline's --microbatches.",
+        "",
+        header,
+        "|" + "---|" * (4 + len(COLUMNS)),
+    ]
+    for row in rows:
+        impl, variant, world, accum = row
+        shown = []
+        for column in COLUMNS:
+            c = by_key.get((row, column), {})
+            if "skip" in c:
+                shown.append(f"n/a ({c['skip']})")
+            elif "refused" in c:
+                shown.append(f"refused: {c['refused']}")
+            elif "error" in c:
+                shown.append(f"**error**: {c['error']}")
+            elif "difference" in c:
+                shown.append(f"{c['difference']:.1e} {'✓' if c['passed'] else '**FAIL**'}")
+            else:
+                shown.append("")
+        lines.append(f"| {impl} | {variant or '–'} | {world} | {accum} | " + " | ".join(shown) + " |")
+    ran = [c for c in cells if "difference" in c]
+    failed = [c for c in cells if "error" in c or not c.get("passed", True)]
+    worst64 = max((c["difference"] for c in ran if c["column"][0] == "fp64"), default=float("nan"))
+    lines += [
+        "",
+        f"{len(ran)} runs compared, {len(failed)} failed; largest fp64 difference {worst64:.1e}; "
+        f"{seconds / 60:.1f} min.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
