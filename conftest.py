@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import signal
 import subprocess
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from distref.parity import max_relative_difference
 
 # One thread per process, in-process runs included, as every rank has: results then do not depend on the
 # machine's core count, and single sums exactly as one rank does (see the bit-identity test in impls/ddp).
@@ -304,21 +305,6 @@ def mnist_convergence_args(data_root: Path) -> list[str]:
         "--log-every",
         "100",
     ]
-
-
-def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """max over tensors of ||a - b|| / ||b||: the parity metric. Same keys required; buffers count too,
-    and integer ones (BatchNorm's num_batches_tracked) must be equal (else the result is inf)."""
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    worst = 0.0
-    for key in b:
-        if not b[key].is_floating_point():
-            if not torch.equal(a[key], b[key]):
-                return math.inf
-            continue
-        denom = b[key].double().norm().item() or 1.0
-        worst = max(worst, (a[key].double() - b[key].double()).norm().item() / denom)
-    return worst
 
 
 def expected_time_to_target(record: dict) -> float | None:

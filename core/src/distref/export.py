@@ -110,7 +110,9 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     trains = [source / "train.py"] + ([] if impl == "single" else [impls_dir / "single" / "train.py"])
     # 1. the core modules train.py needs (and the baseline's), vendored under the impl's own package name
     (dest / package).mkdir()
-    for module in sorted(core_modules_needed(trains)):
+    # (and those the exported tests and conftest import, e.g. the parity metric)
+    tests_and_fixtures = [REPO / "conftest.py", *sorted((source / "tests").rglob("*.py"))]
+    for module in sorted(core_modules_needed([*trains, *tests_and_fixtures])):
         text = rewrite_imports((CORE_DIR / f"{module}.py").read_text(), package)
         if module == "__init__":
             text += f"\nEXPORTED_FROM = {json.dumps(stamp)}\n"

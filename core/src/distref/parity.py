@@ -79,9 +79,13 @@ def oracle(impl: str, settings: dict, world: int, accum: int, precision: str, op
 
 
 def max_relative_difference(a: dict, b: dict) -> float:
-    """max over tensors of ||a - b|| / ||b|| (float64 arithmetic); inf if integer buffers differ."""
+    """max over tensors of ||a - b|| / ||b|| (in float64): the parity metric, here and in the tests. Same
+    keys required; buffers count too, and integer ones (BatchNorm's num_batches_tracked) must be equal
+    (else the result is inf)."""
     import torch
 
+    if a.keys() != b.keys():
+        raise ValueError(f"different state_dict keys: {sorted(set(a) ^ set(b))}")
     worst = 0.0
     for key in b:
         if not b[key].is_floating_point():
