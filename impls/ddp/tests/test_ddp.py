@@ -141,7 +141,10 @@ def test_plain_python_starts_the_ranks_itself_with_the_same_result(single_refere
         ["--nproc-per-node", "2", *parity_args("lenet"), "--save-final", str(tmp_path / "f.pt")]
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "ddp: starting 2 ranks: torchrun --standalone --nproc-per-node=2" in result.stdout
+    assert (
+        "ddp: starting 2 ranks: torchrun --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 --local-addr=127.0.0.1 --nproc-per-node=2"
+        in result.stdout
+    )
     final = torch.load(tmp_path / "f.pt", weights_only=True)
     assert max_relative_difference(final, single_reference("lenet", 2)) == 0.0
 
