@@ -28,6 +28,7 @@ import datetime
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -196,8 +197,6 @@ def refusal(impl: str, train: Path, args: list[str], world: int, distributed: bo
 
 def run(command: list[str], log: Path) -> int:
     """One run, one thread per process (like every measurement here), its output kept in `log`."""
-    import os
-
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
         return subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
