@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from distref.config import RunConfig
+from distref.config import RunConfig, is_first_rank
 from distref.training import lr_factor
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
@@ -66,12 +66,17 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in `directory` (temporary files never match the name)."""
+def checkpoints(directory: str | Path) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first (temporary files never match the name)."""
     directory = Path(directory)
     if not directory.is_dir():
-        return None
-    found = sorted(p for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name))
+        return []
+    return sorted(p for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name))
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in `directory`."""
+    found = checkpoints(directory)
     return found[-1] if found else None
 
 
@@ -100,13 +105,9 @@ def resume_path(cfg: RunConfig) -> Path | None:
         return None
     if cfg.resume != "auto":
         return Path(cfg.resume)
-    directory = Path(cfg.checkpoint_dir)
-    found = (
-        sorted(p for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name)) if directory.is_dir() else []
-    )
-    say = os.environ.get("RANK", "0") == "0"
+    say = is_first_rank()
     problems = []
-    for path in reversed(found):
+    for path in reversed(checkpoints(cfg.checkpoint_dir)):
         if (problem := checkpoint_problem(path)) is None:
             if problems and say:
                 print(f"--resume auto: {'; '.join(problems)}: falling back to {path}", flush=True)
@@ -115,7 +116,7 @@ def resume_path(cfg: RunConfig) -> Path | None:
     if problems:
         if say:
             sys.stderr.write(
-                f"error: --resume auto: no readable checkpoint in {directory} ({'; '.join(problems)}); "
+                f"error: --resume auto: no readable checkpoint in {cfg.checkpoint_dir} ({'; '.join(problems)}); "
                 "move them away to start over\n"
             )
         sys.exit(2)

@@ -65,12 +65,18 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+def is_first_rank() -> bool:
+    """Rank 0 under torchrun, or a process that is no rank: the one that speaks for the job when every
+    rank meets the same problem (bad arguments, a diverged loss, an unreadable checkpoint)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints the whole usage block before an error; we print one line, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
         # Under torchrun every rank parses the same arguments: rank 0 alone says what is wrong.
-        self.exit(2, f"{self.prog}: error: {message}\n" if os.environ.get("RANK", "0") == "0" else None)
+        self.exit(2, f"{self.prog}: error: {message}\n" if is_first_rank() else None)
 
 
 def positive_int(text: str) -> int:

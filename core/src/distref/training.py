@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distref.config import RunConfig
+from distref.config import RunConfig, is_first_rank
 from distref.data import IGNORE_INDEX
 
 
@@ -134,7 +134,7 @@ def stop_if_diverged(losses: list[float], first_step: int, cfg: RunConfig, prog:
                 f"{prog}: error: the loss is {loss} at step {first_step + i + 1}: training diverged; {hint}. "
                 "Checkpoints from before it are kept"
             )
-            raise TrainingDiverged(message if os.environ.get("RANK", "0") == "0" else 1)
+            raise TrainingDiverged(message if is_first_rank() else 1)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
