@@ -82,7 +82,7 @@ def measured(what: str, seconds: float) -> None:
 
 def pytest_terminal_summary(terminalreporter, config):
     """With `-m faults`: one row per fault test, its expected behaviour (the docstring's first line),
-    outcome and measured times."""
+    outcome and measured times. (Both travel in the reports' user_properties: xdist workers send them.)"""
     if "faults" not in (config.getoption("markexpr") or ""):
         return
     rows = []
@@ -90,26 +90,24 @@ def pytest_terminal_summary(terminalreporter, config):
         for report in terminalreporter.stats.get(outcome, []):
             if getattr(report, "when", "call") != "call" and outcome != "skipped":
                 continue
-            doc = FAULT_DOCS.get(report.nodeid) or report.nodeid.split("::")[-1]
+            properties = dict(report.user_properties)
+            name = report.nodeid.split("::")[-1]
+            expected = properties.pop("expected", "") or name
             times = (
-                ", ".join(f"{k} {v:g} s" for k, v in report.user_properties)
-                or f"{report.duration:.0f} s (test)"
+                ", ".join(f"{k} {v:g} s" for k, v in properties.items()) or f"{report.duration:.0f} s (test)"
             )
-            rows.append(f"| `{report.nodeid.split('::')[-1]}` | {doc} | {outcome} | {times} |")
+            rows.append(f"| `{name}` | {expected} | {outcome} | {times} |")
     terminalreporter.write_line("\n| fault test | expected behaviour | outcome | measured |")
     terminalreporter.write_line("|---|---|---|---|")
     for row in sorted(rows):
         terminalreporter.write_line(row)
 
 
-FAULT_DOCS: dict[str, str] = {}
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("faults") and getattr(item, "function", None) is not None:
             doc = (item.function.__doc__ or "").strip().splitlines()
-            FAULT_DOCS[item.nodeid] = doc[0] if doc else ""
+            item.user_properties.append(("expected", doc[0] if doc else ""))
 
 
 def worker_pid(marker: str, rank: int, deadline: float) -> int:
