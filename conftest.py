@@ -190,9 +190,13 @@ def check_killed_rank_ends_the_job(impl: str, args: list[str], tmp_path: Path) -
     assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]  # torchrun's failure report
 
 
-def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, timeout_s: int = 10) -> None:
+def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, timeout_s: int = 5) -> None:
     """Every multi-process impl: a rank that stops (SIGSTOP: alive, silent) fails the job once a collective
-    has waited --timeout, with one line naming the silent rank; then torchrun ends the job."""
+    has waited --timeout, with one line naming the silent rank; then the job ends with exit code 1.
+
+    torch 2.13's agent SIGKILLs a rank that ignores SIGTERM only 30 s after a failure (pytorch #192815;
+    measured by hand: the job ends ~45 s after the stop with --timeout 10, README): this test kills the
+    stopped rank itself once it is named, so that it does not sleep through those 30 s."""
     ckpt_dir = tmp_path / "ckpt"
     run_args = [
         *args,
@@ -221,6 +225,7 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
             lines.append(line)
             if "stopped responding" in line and named_at is None:
                 named_at = time.time()
+                os.kill(stopped, signal.SIGKILL)  # what torchrun does 30 s later
         proc.wait(timeout=120)
         ended_at = time.time()
     finally:
@@ -229,13 +234,12 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
         proc.kill()
     assert named_at is not None, "".join(lines)[-3000:]
     measured("failure named after the stop", named_at - stopped_at)
-    measured("job ended after the stop", ended_at - stopped_at)
+    measured("job ended after it was named", ended_at - named_at)
     named = [line for line in lines if "stopped responding" in line]
     assert len(named) == 1 and named[0].startswith(f"{impl}: error: rank 1 stopped responding: "), named
     assert f"rank 0 waited for it {timeout_s} s (--timeout)" in named[0]
     assert named_at - stopped_at < timeout_s + 10  # --timeout, and a few seconds to hear from the others
-    # torch 2.13's agent then waits its fixed 30 s before SIGKILLing the stopped rank (pytorch #192815).
-    assert ended_at - stopped_at < timeout_s + 50 and proc.returncode == 1
+    assert ended_at - named_at < 15 and proc.returncode == 1
 
 
 # ---- the proof every impl gives (README): parity with single, and a convergence target --------------

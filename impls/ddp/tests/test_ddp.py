@@ -324,7 +324,7 @@ def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
 
 @pytest.mark.faults
 def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
-    """A SIGSTOPped rank: one line names it after --timeout (10 s here), exit code 1."""
+    """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1."""
     check_stopped_rank_is_named("ddp", [*SYNTHETIC, "--steps", "100000"], tmp_path)
 
 
