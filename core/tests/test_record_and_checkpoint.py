@@ -363,3 +363,46 @@ def test_a_diverged_run_stops_at_its_step_and_keeps_its_checkpoints(single_train
     assert ckpt.latest_checkpoint(ckpt_dir) == ckpt.checkpoint_path(ckpt_dir, first_bad - 1)
     assert not (tmp_path / "final.pt").exists()
     assert torch.load(ckpt.latest_checkpoint(ckpt_dir), weights_only=True)["step"] == first_bad - 1
+
+
+@pytest.mark.faults
+def test_fp16_skipped_steps_are_counted_in_the_record_across_a_resume(single_train, tmp_path, monkeypatch):
+    """fp16: a step whose scaled gradients overflow is skipped by the loss scaler; the record lists each
+    one (as many as the scale was halved), and a resumed run keeps the list of the steps before it."""
+    import math
+
+    import distref.config
+
+    # The CLI asks fp16 for CUDA; torch's CPU autocast and GradScaler run the same algorithm here. The
+    # scale starts at 2**40 (not 2**16) so that the first steps overflow for certain.
+    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(
+        single_train,
+        "make_grad_scaler",
+        lambda cfg, device: torch.amp.GradScaler(
+            device.type, init_scale=2.0**40, enabled=cfg.precision == "fp16"
+        ),
+    )
+    ckpt_dir = tmp_path / "ckpt"
+    args = [
+        *FAST,
+        "--precision",
+        "fp16",
+        "--device",
+        "cpu",
+        "--steps",
+        "30",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+    ]
+    single_train.main([*args, "--checkpoint-every", "10", "--out", str(tmp_path / "run")])
+    skipped = load_record(tmp_path / "run")["skipped_steps"]
+    final_scale = torch.load(ckpt.checkpoint_path(ckpt_dir, 30), weights_only=True)["scaler"]["scale"]
+    halvings = round(math.log2(2.0**40 / final_scale))  # no growth in 30 steps (growth_interval 2000)
+    assert 5 <= len(skipped) == halvings < 30 and skipped[0] == 0 and skipped == sorted(skipped)
+    assert min(skipped) < 10 < max(skipped)  # skips on both sides of the resume point below
+
+    single_train.main(
+        [*args, "--resume", str(ckpt.checkpoint_path(ckpt_dir, 10)), "--out", str(tmp_path / "resumed")]
+    )
+    assert load_record(tmp_path / "resumed")["skipped_steps"] == skipped

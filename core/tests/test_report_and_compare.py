@@ -90,8 +90,17 @@ def test_compare_runs_each_impl_and_builds_the_report(compared):
     assert "pipeline_bubble.png" not in report  # no pipeline impl ran
     parity = report.split("## Parity with single")[1].split("##")[0]
     assert "| single ×1 | reference |" in parity
-    ddp_row = next(line for line in parity.splitlines() if line.startswith("| ddp ×2"))
-    assert float(ddp_row.split("|")[2]) < 1e-5  # parity, computed from the runs' final.pt
+    # Exact parity from compare's own short runs against the oracle (SGD: plain single), and the drift of
+    # the full runs' final.pt apart, as its own column.
+    exact, oracle, tolerance, drift = next(
+        line for line in parity.splitlines() if line.startswith("| ddp ×2")
+    ).split("|")[2:6]
+    assert float(exact.split()[0]) < 1e-5 and exact.split()[1] == "✓"
+    assert oracle.strip() == "single, fp32, 20 steps" and tolerance.strip() == "1e-05"
+    assert 0 <= float(drift) < 1e-5  # 12 steps of SGD: no room to drift
+    check = json.loads((out / "ddp" / "parity.json").read_text())
+    assert check["difference"] == pytest.approx(float(exact.split()[0]), rel=0.06)
+    assert "ddp ×2 vs single (fp32): " in stdout
     versions = report.split("## Versions and environment")[1]
     ddp_version = impl_version(ROOT / "impls" / "ddp" / "train.py")
     assert f"| ddp ×2 | {ddp_version} |" in versions and "gloo" in versions
@@ -139,13 +148,20 @@ def test_report_states_evaluation_apart_and_a_single_device_as_such(compared, tm
     (dp / "record.json").write_text(json.dumps(dp_record))
     report = build_report([out / "single", out / "ddp", dp], tmp_path / "report").read_text()
     speed = report.split("## Throughput and scaling")[1].split("##")[0]
-    assert "| dataparallel ×1 (no parallelism) |" in speed and "— (1 device)" in speed
-    ddp = load_record(out / "ddp")
+    # single's own numbers as dataparallel's: equal hardware and speed, so speed-up = efficiency = 1.
+    assert "| dataparallel ×1 (no parallelism) | 1 process × 1 thread |" in speed
+    dp_row = next(line for line in speed.splitlines() if line.startswith("| dataparallel"))
+    assert [c.strip() for c in dp_row.split("|")[4:6]] == ["1.00", "1.00"]
+    ddp, single = load_record(out / "ddp"), load_record(out / "single")
     assert ddp["eval_time_s"] == pytest.approx(sum(e["eval_time_s"] for e in ddp["evals"]))
     assert ddp["train_time_s"] == pytest.approx(sum(s["step_time_s"] for s in ddp["steps"]))
     ddp_row = next(line for line in speed.splitlines() if line.startswith("| ddp ×2"))
-    assert ddp_row.split("|")[4].strip() == f"{ddp['train_time_s']:.1f}"
-    assert ddp_row.split("|")[5].strip() == f"{ddp['eval_time_s']:.1f}"
+    assert ddp_row.split("|")[2].strip() == "2 processes × 1 thread"  # compare runs 1 thread each
+    speed_up = ddp["samples_per_s"] / single["samples_per_s"]
+    assert ddp_row.split("|")[4].strip() == f"{speed_up:.2f}"
+    assert ddp_row.split("|")[5].strip() == f"{speed_up / 2:.2f}"  # 2 cores against single's 1
+    assert ddp_row.split("|")[6].strip() == f"{ddp['train_time_s']:.1f}"
+    assert ddp_row.split("|")[7].strip() == f"{ddp['eval_time_s']:.1f}"
     state = report.split("## Model state per rank")[1].split("##")[0]
     # lenet's 21,840 fp32 parameters, their gradients and SGD's momentum: 4 + 4 + 4 bytes each, per rank
     assert "| ddp ×2 | 0 | 85.3 | 85.3 | 85.3 | 255.9 |" in state

@@ -254,8 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
                         # ranks: together, the mean over the whole global batch, as in single.
                         scaler.scale(loss / cfg.grad_accum).backward()
                     step_loss += loss.detach() / cfg.grad_accum
+                scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
                 scaler.step(optimizer)
                 scaler.update()
+                if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
+                    record.add_skipped_step(step)
                 scheduler.step()
                 if state_bytes is None:
                     state_bytes = model_state_bytes(model.parameters(), optimizer)

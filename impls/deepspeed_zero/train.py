@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
                     engine.step()
                     step_loss += loss.detach() / cfg.grad_accum
                 # --- ZERO: no scaler, optimizer.step() or zero_grad() here: engine.step() did them
+                if not engine.was_step_applied():  # --- ZERO: fp16's loss scaler found inf/nan, skipped it
+                    record.add_skipped_step(step)
                 scheduler.step()
                 synchronize(device)
                 pending_times.append(time.perf_counter() - t0)

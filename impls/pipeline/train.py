@@ -517,8 +517,11 @@ def main(argv: list[str] | None = None) -> dict:
                 for loss in micro_losses:  # --- PIPELINE: summed as single --grad-accum M sums
                     step_loss += loss.detach() / n_micro
                 # --- end PIPELINE ---
+                scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
                 scaler.step(optimizer)
                 scaler.update()
+                if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
+                    record.add_skipped_step(step)
                 scheduler.step()
                 if state_bytes is None:
                     state_bytes = model_state_bytes(model.parameters(), optimizer)

@@ -7,9 +7,11 @@
 Options other than --impls, --world-size, --out and --impls-dir are run options (see README), given to
 every impl's train.py and replacing DEFAULT_WORKLOAD's. `single` always runs: it is the reference of the
 parity and scaling columns. Every impl's arguments are validated before anything is started; each
-run gets --out <dir>/<impl> and --save-final <dir>/<impl>/final.pt (for the parity table). Every process
-uses one thread, so that throughput compares like with like (scaling efficiency = samples/s / (world ×
-single's samples/s)). A run that fails appears in the report with its error.
+run gets --out <dir>/<impl> and --save-final <dir>/<impl>/final.pt. Every process uses one thread, so
+that each run's hardware is its number of processes (scaling efficiency: distref.report). After the
+runs, each impl's run is checked against its exact oracle (distref.parity.exact_parity: the same
+options, 20 steps, against the single run that makes the same sums), written as <dir>/<impl>/parity.json
+for the report's parity column. A run that fails appears in the report with its error.
 """
 
 from __future__ import annotations
@@ -164,6 +166,25 @@ def main(argv: list[str] | None = None) -> None:
                 impl, impl_version(available[impl]["train"]), cfg, world, torch.device("cpu"), "n/a"
             )
             record.fail(failure_reason(run_dir / "log.txt", code))
+
+    # Parity from the exact oracle: each impl's run, shortened to a few steps, against the single run that
+    # makes the same sums (over a whole run, rounding drifts apart; the report shows that drift apart).
+    import json
+
+    from distref.parity import SHORT_STEPS, exact_parity
+
+    print(f"\nparity: each impl against its exact oracle ({SHORT_STEPS} steps)", flush=True)
+    references: dict = {}
+    for impl, world, _, run_dir, _ in plans:
+        if impl == "single" or not (run_dir / "final.pt").exists():
+            continue
+        # Its files go inside the run folders, so that `distref.report <dir>/*` still means the runs.
+        check = exact_parity(
+            impl, available, run_args, world, run_dir / "parity", references, out / "single" / "parity"
+        )
+        (run_dir / "parity.json").write_text(json.dumps(check, indent=1) + "\n")
+        verdict = check.get("refused") or check.get("error") or f"{check['difference']:.1e}"
+        print(f"  {impl} ×{world} vs {check['oracle']} ({check['precision']}): {verdict}", flush=True)
 
     from distref.report import build_report
 

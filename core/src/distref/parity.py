@@ -79,6 +79,109 @@ def oracle(impl: str, settings: dict, world: int, accum: int, precision: str, op
     return sums, FP32_TOLERANCE
 
 
+def accumulation_of(cfg, settings: dict) -> int:
+    """The run's value of the impl's accumulation option (--grad-accum, or pipeline's --microbatches)."""
+    name = settings["accumulation"].lstrip("-").replace("-", "_")
+    value = getattr(cfg, name, None)
+    return value if value is not None else cfg.extra[name]
+
+
+def exact_oracle(impl: str, settings: dict, cfg, world: int) -> tuple[str, int, float]:
+    """(precision, single's --grad-accum, tolerance) of the exact check of a run of `cfg` at `world` ranks:
+    fp32 where the oracle is exact in fp32 (SGD; AdamW with a power-of-two split), else fp64."""
+    accum = accumulation_of(cfg, settings)
+    reference, tolerance = oracle(impl, settings, world, accum, "fp32", cfg.optimizer)
+    if reference is not None:
+        return "fp32", reference, tolerance
+    reference, tolerance = oracle(impl, settings, world, accum, "fp64", cfg.optimizer)
+    return "fp64", reference, tolerance
+
+
+# Options of a longer run that its parity check replaces or drops: it runs SHORT_STEPS steps, evaluates
+# once, measures nothing and writes nothing but its final parameters.
+SHORT_STEPS = 20
+_DROPPED = {
+    "--epochs",
+    "--steps",
+    "--target-accuracy",
+    "--eval-every",
+    "--log-every",
+    "--checkpoint-every",
+    "--checkpoint-dir",
+    "--resume",
+    "--out",
+    "--save-final",
+    "--precision",
+    "--tensorboard",
+    "--profile",
+}
+_FLAGS = {"--tensorboard", "--profile"}  # dropped options that take no value
+
+
+def shortened(args: list[str], precision: str, drop: set[str] = frozenset()) -> list[str]:
+    """`args` as a parity case: SHORT_STEPS steps in `precision`, without the options in _DROPPED | drop."""
+    kept, skip_value = [], False
+    for arg in args:
+        if skip_value:
+            skip_value = False
+            continue
+        name = arg.split("=")[0]
+        if name in _DROPPED | drop:
+            skip_value = "=" not in arg and name not in _FLAGS
+            continue
+        kept.append(arg)
+    steps = str(SHORT_STEPS)
+    return [*kept, "--steps", steps, "--log-every", steps, "--eval-every", steps, "--precision", precision]
+
+
+def launcher(info: dict, world: int) -> list[str]:
+    if info["launcher"] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    return [sys.executable]
+
+
+def exact_parity(
+    impl: str, available: dict, args: list[str], world: int, out: Path, references: dict, reference_dir: Path
+) -> dict:
+    """The exact-oracle check of a longer run (what `nox -s compare` shows as parity): the run's options
+    (`args`) shortened to SHORT_STEPS steps, run by the impl at `world` ranks (files in `out`) and by the
+    single run that is its oracle (in `reference_dir`; `references` caches those across impls)."""
+    info = available[impl]
+    settings = parity_settings(info["train"].parent)
+    distributed = info["launcher"] == "torchrun"
+    cfg = validate(impl, info["train"], args, world, distributed)
+    precision, accum, tolerance = exact_oracle(impl, settings, cfg, world)
+    result = {
+        "steps": SHORT_STEPS,
+        "precision": precision,
+        "oracle": f"single --grad-accum {accum}" if accum > 1 else "single",
+        "tolerance": tolerance,
+    }
+    case = shortened(args, precision)
+    if problem := refusal(impl, info["train"], case, world, distributed):
+        return {**result, "refused": problem}
+    out.mkdir(parents=True, exist_ok=True)
+    if (precision, accum) not in references:
+        reference_dir.mkdir(parents=True, exist_ok=True)
+        path = reference_dir / f"single-{precision}-accum{accum}.pt"
+        single_case = [*shortened(args, precision, drop={"--grad-accum"}), "--grad-accum", str(accum)]
+        command = [sys.executable, str(available["single"]["train"]), *single_case, "--save-final", str(path)]
+        references[precision, accum] = path if run(command, path.with_suffix(".log")) == 0 else None
+    final = out / f"{impl}-{precision}.pt"
+    code = run(
+        [*launcher(info, world), str(info["train"]), *case, "--save-final", str(final)],
+        final.with_suffix(".log"),
+    )
+    reference = references[precision, accum]
+    if code != 0 or reference is None:
+        return {**result, "error": f"exit code {code}: see {final.with_suffix('.log')}"}
+    import torch
+
+    a, b = (torch.load(p, weights_only=True) for p in (final, reference))
+    difference = max_relative_difference(a, b)
+    return {**result, "difference": difference, "passed": difference <= tolerance}
+
+
 def max_relative_difference(a: dict, b: dict) -> float:
     """max over tensors of ||a - b|| / ||b|| (in float64): the parity metric, here and in the tests. Same
     keys required; buffers count too, and integer ones (BatchNorm's num_batches_tracked) must be equal
@@ -158,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         final = out / impl / f"{name}.pt"
         final.parent.mkdir(parents=True, exist_ok=True)
         train = str(available[impl]["train"])
-        launch = [sys.executable]
-        if available[impl]["launcher"] == "torchrun":
-            launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        launch = launcher(available[impl], world)
         t0 = time.perf_counter()
         code = run([*launch, train, *cell["args"], "--save-final", str(final)], final.with_suffix(".log"))
         reference = ref_files[cell["reference"]]

@@ -101,6 +101,7 @@ class RunRecord:
             "devices": devices or world_size,  # devices that compute (DataParallel: GPUs of one process)
             "config": cfg.to_dict(),
             "steps": [],
+            "skipped_steps": [],
             "evals": [],
             "samples_per_s": None,
             "train_time_s": None,
@@ -135,6 +136,12 @@ class RunRecord:
         if self.out:
             with open(self.out / "steps.jsonl", "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def add_skipped_step(self, step: int) -> None:
+        """Optimizer step `step` (numbered as in "steps") changed nothing: fp16's loss scaler found inf/nan
+        in its gradients, skipped the update and lowered the scale. A few at the start are normal (the
+        scale is searched down from 2**16); many in a row mean the run is not learning."""
+        self.data["skipped_steps"].append(step)
 
     def add_eval(self, step: int, epoch: float, accuracy: float, loss: float, seconds: float) -> None:
         """An evaluation after `step` steps that took `seconds`; its elapsed time is the run's at its end."""
@@ -199,6 +206,7 @@ class RunRecord:
         """What a checkpoint keeps so that a resumed run's record covers the whole run."""
         return {
             "steps": list(self.data["steps"]),
+            "skipped_steps": list(self.data["skipped_steps"]),
             "evals": list(self.data["evals"]),
             "final_accuracy": self.data["final_accuracy"],
             "resumes": list(self.data["resumes"]),
@@ -212,6 +220,8 @@ class RunRecord:
         state = checkpoint["record"]
         for key in ("steps", "evals", "final_accuracy", "started_at"):
             self.data[key] = state[key]
+        # Steps skipped before the checkpoint; those after it are made again (checkpoints before 0.4.1 lack it).
+        self.data["skipped_steps"] = [s for s in state.get("skipped_steps", []) if s < checkpoint["step"]]
         self.data["resumes"] = [
             *state.get("resumes", []),
             {"step": checkpoint["step"], "checkpoint": str(path), "changes": checkpoint["changes"]},
@@ -246,6 +256,8 @@ def print_summary(data: dict[str, Any], file=None) -> None:
         f"peak mem {max(data['peak_memory_bytes'] or [0]) / 2**20:,.0f} MiB/rank",
         f"wall {data['wall_time_s']:.1f}s",
     ]
+    if data.get("skipped_steps"):
+        parts.append(f"{len(data['skipped_steps'])} steps skipped (fp16 overflow)")
     if data["target_accuracy"] is not None:
         reached = f"at {ttt:.1f}s" if ttt is not None else "not reached"
         parts.append(f"target {data['target_accuracy']} {reached}")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from distref.parity import max_relative_difference
 from distref.record import load_record
 
 # Options that define the workload: two runs can only be compared if these are equal.
@@ -47,12 +49,46 @@ TARGET_NOTE = (
 )
 
 PARITY_NOTE = (
-    "How to read this: the impls' tests check parity on short fp32 runs (20 steps, max relative difference "
-    "< 1e-5). Over a long run, rounding differences of ~1e-7 per step (gradients summed in another order: "
-    "several ranks, or threads) grow chaotically, so an epoch can end 1e-2 to 1e-1 apart with the same "
-    "accuracy. A strategy that sums in the same order as single is exact at any length: DDP with 2 ranks "
-    "equals single with --grad-accum 2 bit for bit."
+    "How to read this: *exact parity* is the correctness check. Each impl's run options, shortened to a "
+    "few steps, against the single run that makes the same sums: plain single for SGD, single "
+    "`--grad-accum S` for AdamW where the impl sums S micro-batches per step and S is a power of two, "
+    "and both in fp64 where fp32 cannot be exact (`nox -s parity` runs the whole matrix). *End-of-run "
+    "drift* compares the full runs' final parameters with single's and is not a correctness check: "
+    "rounding differences of ~1e-7 per step (gradients summed in another order: several ranks, or "
+    "threads) grow chaotically over a long run, AdamW amplifying them, so two correct runs can end 1e-2 "
+    "to 1e-1 apart at the same accuracy (compare the accuracy columns). A strategy that sums in the same "
+    "order as single is exact at any length: DDP with 2 ranks equals single with --grad-accum 2 bit for "
+    "bit."
 )
+
+EFFICIENCY_NOTE = (
+    "Hardware is what a run keeps busy: on CPU its processes × threads each (cores), on CUDA its GPUs. "
+    "Speed-up = samples/s ÷ single's; scaling efficiency = speed-up ÷ (hardware ÷ single's hardware), "
+    "on the same workload (same global batch: strong scaling), 1.00 being perfect use of the extra "
+    "hardware. `nox -s compare` runs every process with one thread, so single uses one core. Throughput "
+    "excludes the first (warm-up) step and evaluation."
+)
+
+
+def hardware(record: dict[str, Any]) -> tuple[int, str]:
+    """(units, description) of what a run kept busy: GPUs on CUDA, processes × threads on CPU."""
+    env = record["environment"]
+    if str(env["device"]).startswith("cuda"):
+        gpus = record.get("devices") or record["world_size"]
+        return gpus, f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    processes, threads = record["world_size"], env.get("threads_per_rank") or 1
+    return processes * threads, (
+        f"{processes} process{'es' if processes > 1 else ''} × {threads} thread{'s' if threads > 1 else ''}"
+    )
+
+
+def scaling_efficiency(record: dict[str, Any], single: dict[str, Any]) -> float | None:
+    """The one definition used here (report and benchmarks): (samples/s ÷ single's) ÷ (hardware units ÷
+    single's), both runs on the same workload."""
+    if not record.get("samples_per_s") or not single.get("samples_per_s"):
+        return None
+    speed_up = record["samples_per_s"] / single["samples_per_s"]
+    return speed_up / (hardware(record)[0] / hardware(single)[0])
 
 
 class Run:
@@ -132,18 +168,6 @@ def workload_differences(runs: list[Run]) -> list[str]:
     if len(set(threads.values())) > 1:
         lines.append("threads per rank: " + ", ".join(f"{k}={v}" for k, v in threads.items()))
     return lines
-
-
-def max_relative_difference(a: dict, b: dict) -> float:
-    """max over tensors of ||a - b|| / ||b|| (the parity metric of every impl's tests)."""
-    if a.keys() != b.keys():
-        return float("inf")
-    worst = 0.0
-    for key, ref in b.items():
-        if ref.is_floating_point():
-            denom = ref.float().norm().item() or 1.0
-            worst = max(worst, (a[key].float() - ref.float()).norm().item() / denom)
-    return worst
 
 
 # ---- plots ------------------------------------------------------------------------------------------
@@ -256,27 +280,20 @@ def _fmt(value: Any, spec: str = "", none: str = "—") -> str:
 def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
     baseline = next((r for r in runs if r.impl == "single" and r.ok), None)
     base_state = baseline.final_state() if baseline else None
-    base_sps = baseline.record["samples_per_s"] if baseline else None
     parity, speed, target, memory, held, versions = [], [], [], [], [], []
     for run in runs:
         rec = run.record
-        if not run.ok:
-            parity.append([run.label, "failed"])
-        elif run is baseline:
-            parity.append([run.label, "reference"])
-        else:
-            state = run.final_state()
-            if state is None or base_state is None:
-                parity.append([run.label, "n/a (no final.pt from this run or from single)"])
-            else:
-                parity.append([run.label, f"{max_relative_difference(state, base_state):.1e}"])
+        parity.append([run.label, *parity_cells(run, baseline, base_state)])
         sps = rec["samples_per_s"]
-        efficiency = sps / (run.devices * base_sps) if sps and base_sps and run.devices > 1 else None
+        efficiency = scaling_efficiency(rec, baseline.record) if baseline and run is not baseline else None
+        speed_up = sps / baseline.record["samples_per_s"] if efficiency is not None else None
         speed.append(
             [
                 run.label,
+                hardware(rec)[1],
                 _fmt(sps, ",.0f"),
-                _fmt(efficiency, ".2f", none="— (1 device)" if run.devices == 1 else "—"),
+                _fmt(speed_up, ".2f", none="reference" if run is baseline else "—"),
+                _fmt(efficiency, ".2f", none="reference" if run is baseline else "—"),
                 _fmt(rec.get("train_time_s"), ".1f"),
                 _fmt(rec.get("eval_time_s"), ".1f"),
                 _fmt(rec["wall_time_s"], ".1f"),
@@ -321,12 +338,17 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
             ]
         )
     return {
-        "Parity with single (max relative parameter difference, fp32)": (["run", "max rel. diff"], parity),
+        "Parity with single (max relative parameter difference)": (
+            ["run", "exact parity", "oracle", "tolerance", "end-of-run drift vs single"],
+            parity,
+        ),
         "Throughput and scaling": (
             [
                 "run",
+                "hardware",
                 "samples/s",
-                "scaling efficiency vs single",
+                "speed-up vs single",
+                "scaling efficiency",
                 "training (s)",
                 "evaluation (s)",
                 "wall time (s)",
@@ -358,6 +380,34 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
             versions,
         ),
     }
+
+
+def parity_cells(run: Run, baseline: Run | None, base_state: dict | None) -> list[str]:
+    """[exact parity, oracle, tolerance, end-of-run drift] of a run: the first three from the parity.json
+    that distref.compare wrote beside its record, the drift from the final.pt files."""
+    if not run.ok:
+        return ["failed", "", "", ""]
+    if run is baseline:
+        return ["reference", "", "", "reference"]
+    state = run.final_state()
+    if state is None or base_state is None:
+        drift = "n/a (no final.pt from this run or from single)"
+    elif state.keys() != base_state.keys():
+        drift = "n/a (other parameter names than single's)"
+    else:
+        drift = f"{max_relative_difference(state, base_state):.1e}"
+    path = run.path / "parity.json"
+    if not path.exists():
+        return ["not checked (`python -m distref.compare` checks it)", "", "", drift]
+    check = json.loads(path.read_text())
+    oracle = f"{check['oracle']}, {check['precision']}, {check['steps']} steps"
+    if "refused" in check:
+        exact = f"n/a: the impl refuses it ({check['refused']})"
+    elif "error" in check:
+        exact = f"**error**: {check['error']}"
+    else:
+        exact = f"{check['difference']:.1e} " + ("✓" if check["passed"] else "**FAIL**")
+    return [exact, oracle, f"{check['tolerance']:g}", drift]
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -415,6 +465,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
             md += [PARITY_NOTE, ""]
         if title.startswith("Time to target"):
             md += [TARGET_NOTE, ""]
+        if title.startswith("Throughput"):
+            md += [EFFICIENCY_NOTE, ""]
     for title, name in plots.items():
         md += [f"## {title}", "", f"![{title}]({name})", ""]
     report = out / "report.md"
@@ -439,6 +491,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
             parts.append(f"<p>{html.escape(PARITY_NOTE)}</p>")
         if title.startswith("Time to target"):
             parts.append(f"<p>{html.escape(TARGET_NOTE)}</p>")
+        if title.startswith("Throughput"):
+            parts.append(f"<p>{html.escape(EFFICIENCY_NOTE)}</p>")
     for title, name in plots.items():
         parts += [f"<h2>{html.escape(title)}</h2>", f'<img src="{name}" alt="{html.escape(title)}">']
     style = (

@@ -68,6 +68,7 @@ def test_every_stage_equals_single_and_partitions_what_it_promises(case, single_
     # What each rank holds (fp32 AdamW / SGD with momentum: one optimizer tensor per parameter for SGD).
     record = json.loads((tmp_path / "o" / "record.json").read_text())
     assert record["strategy"]["zero_stage"] == stage
+    assert record["skipped_steps"] == []  # fp32: every boundary step was applied (engine.was_step_applied)
     held = record["model_state_bytes"]
     assert len(held) == world
     total = sum(p.numel() for p in final.values() if p.is_floating_point()) * 4  # fp32 bytes of the model
@@ -105,6 +106,7 @@ def test_bf16_trains_within_a_band_of_fp32(single_train, tmp_path):
     fp32_losses = torch.tensor([s["loss"] for s in single["steps"]])
     relative = ((bf16_losses - fp32_losses).abs() / fp32_losses).max().item()
     assert 1e-4 < relative < 2e-2, relative
+    assert record["skipped_steps"] == []  # bf16 has no loss scaler: nothing is skipped
 
 
 # ---- checkpoints: DeepSpeed's sharded files, an index written last, exact resume -------------------------
