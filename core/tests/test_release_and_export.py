@@ -150,7 +150,7 @@ def fresh_python(tmp_path_factory):
 
 
 # The micro-batch sums each impl's default run makes per step (2 ranks; pipeline: 4 micro-batches).
-SAME_SUMS = {"ddp": 2, "deepspeed_zero": 2, "pipeline": 4}
+SAME_SUMS = {"ddp": 2, "deepspeed_zero": 2, "fsdp": 2, "pipeline": 4}
 SYNTHETIC = [
     "--model",
     "lenet",

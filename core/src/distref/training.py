@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distref.config import RunConfig, is_first_rank
 from distref.data import IGNORE_INDEX
@@ -80,6 +81,10 @@ def make_lr_schedule(
 
     `cosine` (the default) decays from --lr to 0 over the run: with a constant lr the final accuracy swings
     with the data order (lenet/MNIST, 2 epochs: 98.2% to 98.9% over 3 seeds)."""
+    # The schedule's base is --lr, not whatever a loaded optimizer state holds (DCP's sharded load, as
+    # impls/fsdp does it, fills only the keys of a fresh optimizer's state, which has no initial_lr yet).
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
     # last_epoch = start_step - 1: the scheduler's own first step sets the lr of step `start_step`.
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(cfg.lr_schedule, step, total), last_epoch=start_step - 1
@@ -178,15 +183,18 @@ def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim
     activations are not model state: peak memory covers them."""
     params = list(parameters)
     return {
-        "parameters": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "parameters": sum(held_bytes(p) for p in params),
+        "gradients": sum(held_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(
-            t.numel() * t.element_size()
-            for p in params
-            for t in optimizer.state.get(p, {}).values()
-            if torch.is_tensor(t)
+            held_bytes(t) for p in params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)
         ),
     }
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of `tensor`: of a DTensor (FSDP's shards), its local part only."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
 
 
 def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

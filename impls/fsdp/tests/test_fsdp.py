@@ -1,0 +1,235 @@
+"""impls/fsdp proven equal to impls/single (plain FSDP, hybrid sharding, resharding off, CPU offload),
+holding 1/world of the model state per rank, resharding its checkpoints to another world size,
+converging on real MNIST, and resuming exactly after a killed rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import (
+    PARITY_TOLERANCE,
+    check_killed_rank_resumes_exactly,
+    load_train_module,
+    max_relative_difference,
+    mnist_convergence_args,
+    parity_args,
+    score_saved_model,
+    self_launched,
+    torchrun,
+)
+from distref.checkpoint import CheckpointError
+from distref.config import parse_config
+from distref.parity import FP64_TOLERANCE
+
+IMPL = "fsdp"
+SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]
+
+
+def run_fsdp(nproc: int, args: list[str], timeout: float = 300):
+    result = torchrun(nproc, IMPL, args, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+# A covering set of the options × world sizes; `nox -s parity` runs the whole matrix. AdamW (lenet) is
+# compared with single --grad-accum world·K, which sums the same micro-batch gradients (bit-identical at
+# world 2, K 1: (g0 + g1) / 2 both ways); SGD (gpt) with plain single too.
+CASES = {
+    "lenet-w2": ("lenet", 2, 1, []),
+    "lenet-w4-hsdp2-accum2": ("lenet", 4, 2, ["--hsdp", "2"]),
+    "gpt-w2-no-reshard-offload": ("gpt", 2, 1, ["--no-reshard-after-forward", "--cpu-offload"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parity_with_single_and_each_rank_holds_its_shard(case, single_reference, tmp_path):
+    model, world, accum, options = CASES[case]
+    args = [*parity_args(model), "--grad-accum", str(accum), *options]
+    run_fsdp(world, [*args, "--save-final", str(tmp_path / "f.pt"), "--out", str(tmp_path / "o")])
+    final = torch.load(tmp_path / "f.pt", weights_only=True)
+    diff = max_relative_difference(final, single_reference(model, world * accum))
+    if case == "lenet-w2":  # the same two half-batch sums, in the same order
+        assert diff == 0.0, f"{case}: {diff:.2e} from single --grad-accum {world * accum}"
+    assert diff < PARITY_TOLERANCE, f"{case}: {diff:.2e} from single --grad-accum {world * accum}"
+    if model == "gpt":  # SGD: also against plain single
+        plain = max_relative_difference(final, single_reference(model))
+        assert plain < PARITY_TOLERANCE, f"{case}: {plain:.2e} from single"
+
+    # Each rank holds its shard of every parameter, gradient and optimizer tensor: 1/shards of the model
+    # (each tensor's dim 0 split in ceil-sized chunks, so a rank may hold a little more or less), and with
+    # --hsdp R the same shard as its peer in the other replica.
+    record = json.loads((tmp_path / "o" / "record.json").read_text())
+    shards = world // (2 if "--hsdp" in options else 1)
+    expected_mesh = {"replicate": 2, "shard": shards} if "--hsdp" in options else {"shard": world}
+    assert record["strategy"]["mesh"] == expected_mesh
+    total = sum(p.numel() for p in final.values() if p.is_floating_point()) * 4  # fp32 bytes of the model
+    held = record["model_state_bytes"]
+    assert len(held) == world
+    assert sum(r["parameters"] for r in held) == pytest.approx(total * world / shards, rel=1e-9)
+    moments = 2 if model == "lenet" else 1  # AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer
+    for rank_held in held:
+        assert rank_held["parameters"] == pytest.approx(total / shards, rel=0.1)
+        assert rank_held["gradients"] == rank_held["parameters"]  # reduce-scattered: the shard's only
+        assert rank_held["optimizer"] >= moments * rank_held["parameters"]  # (+ AdamW's step counts)
+    # The recorded accuracy (test shards scored on each rank with the gathered model) is that of the model
+    # --save-final wrote, scored alone.
+    assert record["final_accuracy"] == score_saved_model(tmp_path / "f.pt", parity_args(model))
+
+
+def test_bf16_mixed_precision_trains_within_a_band_of_fp32(single_train, tmp_path):
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reduce): losses within 2% of fp32 single's over 20 steps,
+    not equal to them (it took effect), and the saved parameters are the fp32 shards, gathered."""
+    args = [*parity_args("lenet"), "--log-every", "1"]
+    run_fsdp(
+        2,
+        [
+            *args,
+            "--precision",
+            "bf16",
+            "--out",
+            str(tmp_path / "bf16"),
+            "--save-final",
+            str(tmp_path / "f.pt"),
+        ],
+    )
+    single = single_train.main([*args, "--out", str(tmp_path / "single")])
+    record = json.loads((tmp_path / "bf16" / "record.json").read_text())
+    bf16_losses = torch.tensor([s["loss"] for s in record["steps"]])
+    fp32_losses = torch.tensor([s["loss"] for s in single["steps"]])
+    relative = ((bf16_losses - fp32_losses).abs() / fp32_losses).max().item()
+    assert 1e-4 < relative < 2e-2, relative
+    assert {v.dtype for v in torch.load(tmp_path / "f.pt", weights_only=True).values()} == {torch.float32}
+
+
+@pytest.mark.faults
+def test_a_checkpoint_saved_by_2_ranks_resumes_at_4_and_an_altered_one_is_refused(single_train, tmp_path):
+    """torch.distributed.checkpoint reshards on load: 2 ranks save at step 6, 4 ranks continue to 8, equal
+    (fp64, AdamW: optimizer state resharded too) to an uninterrupted run. A file changed after it
+    was written is refused, in one line, before DCP unpickles its metadata."""
+    ckpt = tmp_path / "ckpt"
+    args = [*SYNTHETIC, "--optimizer", "adamw", "--precision", "fp64", "--global-batch-size", "16"]
+    # In fp64, FSDP at any world size equals plain single within FP64_TOLERANCE: the uninterrupted run.
+    single_train.main([*args, "--steps", "8", "--save-final", str(tmp_path / "straight.pt")])
+    run_fsdp(2, [*args, "--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "6"])
+    index = ckpt / "step-00000006.pt"
+    state = torch.load(index, weights_only=True)  # the index alone: no DCP pickle is read
+    assert state["world_size"] == 2 and sorted(state["sha256"]) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    resumed = run_fsdp(
+        4,
+        [
+            *args,
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "auto",
+            "--save-final",
+            str(tmp_path / "resharded.pt"),
+        ],
+    )
+    assert "fsdp: resumed from" in resumed.stdout and "step 6" in resumed.stdout
+    a, b = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("straight", "resharded"))
+    diff = max_relative_difference(b, a)
+    assert 0 < diff < FP64_TOLERANCE, diff  # not bit-identical: 4 ranks sum in another order
+
+    shard = ckpt / "step-00000006" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    fsdp = load_train_module(IMPL)
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp is missing or not the one written"):
+        fsdp.check_sharded_checkpoint(index, state)
+    altered = torchrun(
+        2, IMPL, [*args, "--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "auto"], timeout=120
+    )
+    assert altered.returncode != 0
+    assert altered.stderr.count(f"checkpoint file {shard} is missing or not the one written") == 1
+    assert 'train.py", line' not in altered.stderr  # no rank's traceback (torchrun adds its own report)
+
+
+ELASTIC = [*SYNTHETIC, "--steps", "100", "--global-batch-size", "32", "--checkpoint-every", "20"]
+ELASTIC += ["--resume", "auto", "--eval-every", "50"]
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_killed_rank_resumes_exactly(tmp_path):
+    single = [*SYNTHETIC, "--steps", "100", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
+    check_killed_rank_resumes_exactly(IMPL, ELASTIC, 100, tmp_path, single)
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (["--hsdp", "3"], 4, "--hsdp 3 must divide the 4 ranks into replicas of equal size"),
+        (["--hsdp", "0"], 2, "--hsdp 0 must divide the 2 ranks into replicas of equal size"),
+        (
+            ["--precision", "fp16", "--device", "cpu"],
+            2,
+            "--precision fp16 needs CUDA (GradScaler); on CPU use --precision bf16",
+        ),
+        (
+            ["--global-batch-size", "10"],
+            4,
+            "--global-batch-size 10 must be divisible by world size × --grad-accum = 4 × 1 = 4",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_before_any_process_group(argv, world, message, capsys):
+    fsdp = load_train_module(IMPL)
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--dataset", "synthetic", *argv], IMPL, fsdp.add_options, world, fsdp.check_options)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"fsdp/train.py: error: {message}\n"
+
+
+def test_fp16_is_refused_with_the_reason_even_where_cuda_would_take_it(monkeypatch, capsys):
+    import distref.config
+
+    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    fsdp = load_train_module(IMPL)
+    with pytest.raises(SystemExit):
+        parse_config(
+            ["--dataset", "synthetic", "--precision", "fp16"], IMPL, fsdp.add_options, 2, fsdp.check_options
+        )
+    assert "no sharded loss scaler): use bf16" in capsys.readouterr().err
+
+
+@pytest.mark.faults
+def test_plain_python_refuses_bad_input_before_starting_any_rank():
+    result = self_launched(IMPL, ["--hsdp", "3", "--dataset", "synthetic"], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1:] == [
+        "fsdp/train.py: error: --hsdp 3 must divide the 2 ranks into replicas of equal size"
+    ]
+    assert "Traceback" not in result.stderr and "starting" not in result.stdout
+
+
+@pytest.mark.slow
+def test_lenet_reaches_98_5_percent_on_real_mnist(mnist_root, tmp_path):
+    """Without resharding after forward: the same numbers (measured 98.81% both ways: it only changes when
+    gathered parameters are freed), with 4 all-gathers per step fewer (63 s -> 40 s of training here)."""
+    args = [*mnist_convergence_args(mnist_root), "--no-reshard-after-forward", "--out", str(tmp_path)]
+    run_fsdp(2, args, timeout=600)
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["world_size"] == 2 and record["strategy"]["mesh"] == {"shard": 2}
+    assert record["final_accuracy"] >= 0.985, record["evals"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs (NCCL; one rank per GPU)")
+def test_on_gpus_matches_single_and_bf16_stays_within_a_band(single_train, tmp_path):
+    args = [*parity_args("lenet"), "--device", "cuda", "--log-every", "1"]
+    run_fsdp(2, [*args, "--save-final", str(tmp_path / "f.pt")])
+    single_train.main([*args, "--grad-accum", "2", "--save-final", str(tmp_path / "s.pt")])
+    a, b = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("s", "f"))
+    assert max_relative_difference(b, a) < PARITY_TOLERANCE
+    run_fsdp(2, [*args, "--precision", "bf16", "--out", str(tmp_path / "bf16")])
+    record = json.loads((tmp_path / "bf16" / "record.json").read_text())
+    assert record["status"] == "completed" and all(s["loss"] is not None for s in record["steps"])
