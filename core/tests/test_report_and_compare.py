@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from conftest import ROOT, run_script
 from distref import impl_version
@@ -54,29 +55,36 @@ def assert_valid_png(path: Path) -> None:
     assert width > 300 and height > 200
 
 
-@pytest.fixture(scope="module")
-def compared(tmp_path_factory):
-    """`python -m distref.compare --impls ddp` (2 ranks): runs single too, a few steps each."""
-    out = tmp_path_factory.mktemp("compare")
-    result = run_script(
-        [
-            sys.executable,
-            "-m",
-            "distref.compare",
-            "--impls",
-            "ddp",  # single, the reference, is added by compare itself
-            "--world-size",
-            "2",
-            "--impls-dir",
-            str(ROOT / "impls"),
-            *WORKLOAD,
-            "--out",
-            str(out),
-        ],
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout
+@pytest.fixture(scope="session")
+def compared(tmp_path_factory, worker_id):
+    """`python -m distref.compare --impls ddp` (2 ranks): runs single too, a few steps each. Once per test
+    session, not once per xdist worker (the tests using it land on both): the folder above the workers'
+    temporary folders is the session's, and the lock makes the second worker wait for the first's run."""
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if worker_id != "master" else shared
+    out, stdout = shared / "compare", shared / "compare.stdout"
+    with FileLock(shared / "compare.lock"):
+        if not stdout.exists():
+            result = run_script(
+                [
+                    sys.executable,
+                    "-m",
+                    "distref.compare",
+                    "--impls",
+                    "ddp",  # single, the reference, is added by compare itself
+                    "--world-size",
+                    "2",
+                    "--impls-dir",
+                    str(ROOT / "impls"),
+                    *WORKLOAD,
+                    "--out",
+                    str(out),
+                ],
+                timeout=600,
+            )
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            stdout.write_text(result.stdout)
+    return out, stdout.read_text()
 
 
 def test_compare_runs_each_impl_and_builds_the_report(compared):

