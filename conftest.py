@@ -283,8 +283,11 @@ def batchnorm_args(steps: int) -> list[str]:
 
 
 def mnist_convergence_args(data_root: Path) -> list[str]:
-    """lenet on real MNIST, 1 epoch, global batch 32, AdamW 2e-3 with cosine decay: >= 98.5% test accuracy
-    (single: 98.77%). Half the samples of `nox -s <impl>-cpu`'s run (2 epochs of 64, ~99%), to keep CI short."""
+    """lenet on real MNIST, 1 epoch of global batch 64 (937 steps), AdamW 3e-3 with cosine decay: >= 98.5%
+    test accuracy. Measured, seed 0: single, dataparallel, ddp ×2, model_parallel ×2 98.87%, pipeline ×2
+    98.85%, fsdp ×2 98.87%, deepspeed_zero ×2 (stage 2) 98.87% (single with seeds 1 and 2: 98.61%, 98.58%).
+    Half the steps of `nox -s <impl>-cpu`'s run (2 epochs of 64 at 2e-3, ~99%), to keep CI short (was
+    1 epoch of 32 at 2e-3: 98.77%, twice the steps)."""
     return [
         "--model",
         "lenet",
@@ -295,11 +298,11 @@ def mnist_convergence_args(data_root: Path) -> list[str]:
         "--epochs",
         "1",
         "--global-batch-size",
-        "32",
+        "64",
         "--optimizer",
         "adamw",
         "--lr",
-        "2e-3",
+        "3e-3",
         "--lr-schedule",
         "cosine",
         "--target-accuracy",

@@ -236,7 +236,7 @@ def test_an_altered_dataset_is_one_line_before_any_rank_starts(mnist_root, tmp_p
     result = self_launched("ddp", ["--nproc-per-node", "2", "--data-root", str(tmp_path)], timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ddp/train.py: error: {labels}") and "refusing to use it" in last
+    assert last.startswith(f"ddp: error: {labels}") and "refusing to use it" in last
     assert "Traceback" not in result.stderr and "starting" not in result.stdout
 
 
