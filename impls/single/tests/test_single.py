@@ -16,12 +16,12 @@ from conftest import (
 SYNTH = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01", "--steps", "20"]
 
 
-def test_lenet_reaches_98_5_percent_on_real_mnist_in_2_epochs(single_train, mnist_root, tmp_path):
-    args = [*mnist_convergence_args(mnist_root), "--epochs", "2", "--lr", "2e-3"]  # nox's run
-    record = single_train.main([*args, "--out", str(tmp_path)])
+def test_lenet_reaches_98_5_percent_on_real_mnist(single_train, mnist_root, tmp_path):
+    """The convergence workload of every impl's test (98.87%); `nox -s single-cpu` trains 2 epochs at 2e-3."""
+    record = single_train.main([*mnist_convergence_args(mnist_root), "--out", str(tmp_path)])
     assert record["final_accuracy"] >= 0.985, record["evals"]
     assert record["time_to_target_s"] == expected_time_to_target(record) > 0
-    assert [e["step"] for e in record["evals"]] == [937, 1874]  # once per epoch
+    assert [e["step"] for e in record["evals"]] == [937]  # at the end of the epoch
 
 
 def test_gpt_learns_the_reverse_task(single_train):
