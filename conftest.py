@@ -6,9 +6,11 @@ import contextlib
 import importlib.util
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +106,12 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_collection_modifyitems(items):
+    # Longest first: pytest-xdist (`-n 2 --dist worksteal`) hands each worker a contiguous half of this
+    # list, so each half starts with half of the `slow` tests; a long test started last would otherwise
+    # keep one core busy while the other idles at the end of the run.
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = slow[::2] + rest[: len(rest) // 2] + slow[1::2] + rest[len(rest) // 2 :]
     for item in items:
         if item.get_closest_marker("faults") and getattr(item, "function", None) is not None:
             doc = (item.function.__doc__ or "").strip().splitlines()
@@ -209,7 +217,15 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
     ]
     cmd = [sys.executable, str(train_path(impl)), "--nproc-per-node", "2", *run_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(  # its own process group: the finally below ends every rank, hung ones too
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     from distref.checkpoint import latest_checkpoint
 
@@ -219,20 +235,32 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
     stopped = worker_pid(str(ckpt_dir), 1, deadline)
     os.kill(stopped, signal.SIGSTOP)
     stopped_at = time.time()
+    # stderr is read by a thread, so that a job that never reports (a hang: the bug this test is about)
+    # fails the test at a deadline instead of blocking it forever.
+    lines_read: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines_read.put(line) for line in proc.stderr], daemon=True).start()
+    give_up = stopped_at + timeout_s + 60
     try:
-        named_at, lines = None, []
-        for line in proc.stderr:  # read as it comes, to time the line
+        named_at, ended_at, lines = None, None, []
+        while time.time() < give_up and (proc.poll() is None or not lines_read.empty()):
+            try:
+                line = lines_read.get(timeout=0.2)
+            except queue.Empty:
+                continue
             lines.append(line)
             if "stopped responding" in line and named_at is None:
                 named_at = time.time()
                 os.kill(stopped, signal.SIGKILL)  # what torchrun does 30 s later
-        proc.wait(timeout=120)
-        ended_at = time.time()
+        if proc.poll() is not None:
+            proc.wait()
+            ended_at = time.time()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped, signal.SIGKILL)
-        proc.kill()
-    assert named_at is not None, "".join(lines)[-3000:]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert named_at is not None, f"no rank was named within {timeout_s + 60} s: " + "".join(lines)[-3000:]
+    assert ended_at is not None, "the job was still running 60 s after --timeout"
     measured("failure named after the stop", named_at - stopped_at)
     measured("job ended after it was named", ended_at - named_at)
     named = [line for line in lines if "stopped responding" in line]

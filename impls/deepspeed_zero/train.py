@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
         device_id=device if device.type == "cuda" else None,
     )
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    # DeepSpeed makes process groups of its own (dist.new_group without a timeout), which take torch's
+    # default for gloo, 30 minutes, not --timeout: a silent rank then hung the job that long.
+    dist.distributed_c10d.default_pg_timeout = timeout
     is_main = rank == 0  # rank 0 alone writes the record and the checkpoint index
     stage = cfg.extra["zero_stage"]
     # --- end ZERO ---
