@@ -106,12 +106,6 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_collection_modifyitems(items):
-    # Longest first: pytest-xdist (`-n 2 --dist worksteal`) hands each worker a contiguous half of this
-    # list, so each half starts with half of the `slow` tests; a long test started last would otherwise
-    # keep one core busy while the other idles at the end of the run.
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    rest = [item for item in items if not item.get_closest_marker("slow")]
-    items[:] = slow[::2] + rest[: len(rest) // 2] + slow[1::2] + rest[len(rest) // 2 :]
     for item in items:
         if item.get_closest_marker("faults") and getattr(item, "function", None) is not None:
             doc = (item.function.__doc__ or "").strip().splitlines()
