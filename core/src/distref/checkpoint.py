@@ -13,6 +13,7 @@ step on and the record lists it under `resumes`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -173,3 +174,33 @@ def describe_resume(path: str | Path, state: dict[str, Any]) -> str:
         before, after = lr * lr_factor(schedule, step, was), lr * lr_factor(schedule, step, now)
         line += f"; the {schedule} lr schedule is re-planned over {now} steps: lr {before:.3g} -> {after:.3g}"
     return line
+
+
+# ---- sharded checkpoints (deepspeed_zero, fsdp): a folder of files beside an index step-N.pt ----------
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def folder_hashes(folder: Path) -> dict[str, str]:
+    """The sha256 of every file in `folder`, a sharded checkpoint just written, for its index."""
+    return {f.name: file_sha256(f) for f in sorted(folder.iterdir())}
+
+
+def check_listed_files(index: Path, folder: Path, sha256: dict[str, str]) -> None:
+    """The folder beside a sharded checkpoint's index holds exactly the files the index lists, each as
+    written. The loaders of such folders unpickle what they read (DeepSpeed's load_checkpoint: every
+    mp_rank_*_model_states.pt it globs; DCP: its .metadata), so this runs before them, in the function
+    that calls them (core/tests/test_security.py checks that)."""
+    if not sha256:
+        raise CheckpointError(f"checkpoint {index} lists no sharded files to verify")
+    if folder.is_dir() and (unlisted := sorted({f.name for f in folder.iterdir()} - set(sha256))):
+        raise CheckpointError(f"checkpoint folder {folder} holds files its index does not list: {unlisted}")
+    for name, digest in sha256.items():
+        file = folder / name
+        if not file.is_file() or file_sha256(file) != digest:
+            raise CheckpointError(
+                f"checkpoint file {file} is missing or not the one written (sha256 differs)"
+            )

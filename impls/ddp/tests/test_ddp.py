@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from conftest import (
     run_script,
     score_saved_model,
     self_launched,
+    tampered_mnist,
     torchrun,
     train_path,
 )
@@ -227,12 +227,7 @@ def test_bad_data_root_is_one_line_before_any_process_group(tmp_path):
 def test_an_altered_dataset_is_one_line_before_any_rank_starts(mnist_root, tmp_path):
     """`python train.py` prepares and md5-checks the dataset once, before starting the ranks: a file that
     is not the published one stops it in one line (exit 2), and no rank ever starts."""
-    raw = tmp_path / "MNIST" / "raw"
-    shutil.copytree(mnist_root / "MNIST" / "raw", raw)
-    labels = raw / "t10k-labels-idx1-ubyte"
-    data = bytearray(labels.read_bytes())
-    data[100] = (data[100] + 1) % 10  # one label changed
-    labels.write_bytes(bytes(data))
+    labels = tampered_mnist(mnist_root, tmp_path)
     result = self_launched("ddp", ["--nproc-per-node", "2", "--data-root", str(tmp_path)], timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]

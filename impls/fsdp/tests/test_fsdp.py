@@ -20,7 +20,7 @@ from conftest import (
     self_launched,
     torchrun,
 )
-from distref.checkpoint import CheckpointError
+from distref.checkpoint import CheckpointError, check_listed_files
 from distref.config import parse_config
 from distref.parity import FP64_TOLERANCE
 
@@ -142,9 +142,8 @@ def test_a_checkpoint_saved_by_2_ranks_resumes_at_4_and_an_altered_one_is_refuse
 
     shard = ckpt / "step-00000006" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])
-    fsdp = load_train_module(IMPL)
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp is missing or not the one written"):
-        fsdp.check_sharded_checkpoint(index, state)
+        check_listed_files(index, ckpt / state["folder"], state["sha256"])
     altered = torchrun(
         2, IMPL, [*args, "--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "auto"], timeout=120
     )
