@@ -155,14 +155,26 @@ def start_and_kill_rank1(train: str, args: list[str], ckpt_dir: Path, max_restar
 
 
 def check_killed_rank_resumes_exactly(
-    impl: str, args: list[str], steps: int, tmp_path: Path, single_args: list[str]
+    impl: str, args: list[str], steps: int, tmp_path: Path, single_args: list[str] | None
 ) -> None:
     """Every multi-process impl: rank 1 SIGKILLed under `torchrun --max-restarts 1` (with checkpoints and
     `--resume auto` in `args`) resumes from the last checkpoint and ends bit-identical to an uninterrupted
     run, with a record of all `steps` steps. The uninterrupted run is impls/single with `single_args` (the
     same workload, and the --grad-accum that makes it sum as the impl does), which the impl equals bit for
-    bit: in this process, it costs no ranks' start-up."""
-    load_train_module("single").main([*single_args, "--save-final", str(tmp_path / "a.pt")])
+    bit: in this process, it costs no ranks' start-up. An impl that sums otherwise than any single run
+    (tensor parallel: `single_args` None) is compared with its own uninterrupted run on 2 ranks."""
+    if single_args is not None:
+        load_train_module("single").main([*single_args, "--save-final", str(tmp_path / "a.pt")])
+    else:
+        straight = [
+            *args,
+            "--checkpoint-dir",
+            str(tmp_path / "straight"),
+            "--save-final",
+            str(tmp_path / "a.pt"),
+        ]
+        result = torchrun(2, impl, straight, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
     ckpt_dir = tmp_path / "elastic"
     resumed = [*args, "--checkpoint-dir", str(ckpt_dir), "--save-final", str(tmp_path / "b.pt")]
     proc, _ = start_and_kill_rank1(
@@ -249,9 +261,10 @@ PARITY_TOLERANCE = 1e-5  # max relative difference per tensor, fp32, after PARIT
 PARITY_STEPS, PARITY_BATCH = 20, 32
 # Summing in another order (2 ranks, or 2 threads, instead of 1) changes fp32 gradients by ~1e-7 per step;
 # a parity workload must not amplify that past the tolerance in 20 steps. lenet on real MNIST and gpt with
-# SGD stay near 1e-7. gpt with AdamW does not (5e-4 between two correct runs: Adam's m/sqrt(v) turns
-# rounding noise in near-zero gradients into full-size steps), nor lenet on the synthetic set at SGD lr
-# 0.05 (8e-5), so they are not used.
+# SGD stay near 1e-7. gpt with AdamW does not (3.3e-5 between single and single --grad-accum 2, both
+# correct: Adam's m/sqrt(v) turns rounding noise in small gradients into full-size steps; 5e-4 while gpt
+# had a key bias, whose gradient is zero), nor lenet on the synthetic set at SGD lr 0.05 (8e-5), so they
+# are not used.
 PARITY_WORKLOADS = {
     "lenet": [
         "--model",
@@ -338,11 +351,11 @@ def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
     from distref.config import parse_config
     from distref.data import eval_batches, load_dataset
     from distref.models import build_model
-    from distref.training import evaluate
+    from distref.training import evaluate, param_dtype
 
     cfg = parse_config(args, "score_saved_model")
     _, test_set, info = load_dataset(cfg)
-    model = build_model(cfg.model, info, cfg.gpt_layers)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))  # fp64 runs score in fp64
     model.load_state_dict(torch.load(state_dict_path, weights_only=True))
     _, correct, count = evaluate(model, eval_batches(test_set, 1000), torch.device("cpu"), cfg)
     return (correct / count).item()

@@ -49,7 +49,8 @@ def install_core(session: nox.Session, *extra: str) -> None:
 
 
 def impl_settings(impl: str) -> dict:
-    """The impl's [tool.distref]: launcher ("python" or "torchrun"), min_gpus for its -gpu session."""
+    """The impl's [tool.distref]: launcher ("python" or "torchrun"), min_gpus for its -gpu session, run
+    (the options its -cpu/-gpu sessions train with instead of DEFAULT_RUN's)."""
     with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
         return tomllib.load(f).get("tool", {}).get("distref", {})
 
@@ -78,7 +79,7 @@ def run_impl(session: nox.Session, impl: str, device: str) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = ROOT / "runs" / f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}" / stamp
     defaults = {
-        **DEFAULT_RUN,
+        **impl_settings(impl).get("run", DEFAULT_RUN),  # or the impl's own workload (tensor_parallel: gpt)
         "--data-root": DATA_ROOT,
         "--device": device,
         "--out": str(out),

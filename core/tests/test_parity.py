@@ -37,6 +37,17 @@ def test_the_oracle_makes_the_same_sums(impl, world, accum, precision, optimizer
     assert oracle(impl, settings(impl), world, accum, precision, optimizer) == expected
 
 
+def test_tensor_parallel_has_no_fp32_adamw_oracle_and_trains_gpt_in_the_matrix():
+    """Its row-wise layers sum partial products across ranks: no single run sums the same way, so fp32
+    AdamW is checked in fp64; SGD against plain single. Its matrix rows train gpt, not the lenet workload."""
+    tp = settings("tensor_parallel")
+    reference, why = oracle("tensor_parallel", tp, 2, 1, "fp32", "adamw")
+    assert reference is None and why.startswith("TP sums each row-wise layer's products across ranks")
+    assert oracle("tensor_parallel", tp, 2, 1, "fp32", "sgd") == (1, FP32_TOLERANCE)
+    assert oracle("tensor_parallel", tp, 4, 2, "fp64", "adamw") == (1, FP64_TOLERANCE)
+    assert tp["model"] == "gpt"
+
+
 def test_fp32_adamw_has_no_exact_oracle_for_a_split_into_three():
     reference, why = oracle("ddp", settings("ddp"), 3, 1, "fp32", "adamw")
     assert reference is None and why == "3 micro-batch sums: not exact in fp32 (fp64 column)"

@@ -291,3 +291,12 @@ def test_export_refuses_a_non_empty_destination(tmp_path):
     with pytest.raises(SystemExit, match="is not empty"):
         export("ddp", tmp_path)
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_core_version_is_the_one_in_its_pyproject():
+    import tomllib
+
+    import distref
+
+    with open(Path(distref.__file__).parents[2] / "pyproject.toml", "rb") as f:
+        assert distref.__version__ == tomllib.load(f)["project"]["version"]

@@ -297,10 +297,24 @@ def test_compare_can_validate_every_impl():
     from distref.config import with_defaults
 
     found = discover(ROOT / "impls")
-    assert {"single", "ddp", "dataparallel", "model_parallel"} <= set(found)
+    assert {"single", "ddp", "dataparallel", "model_parallel", "tensor_parallel"} <= set(found)
     for impl, info in found.items():
         distributed = info["launcher"] == "torchrun"
+        model = ["--model", "gpt", "--dataset", "synthetic"] if info["models"] else []
         cfg = validate(
-            impl, info["train"], with_defaults(DEFAULT_WORKLOAD, []), 2 if distributed else 1, distributed
+            impl, info["train"], with_defaults(DEFAULT_WORKLOAD, model), 2 if distributed else 1, distributed
         )
-        assert cfg.model == "lenet" and cfg.target_accuracy == 0.955
+        assert cfg.model == ("gpt" if info["models"] else "lenet") and cfg.target_accuracy == 0.955
+
+
+def test_an_impl_made_for_another_model_is_left_out_and_says_why():
+    """tensor_parallel trains gpt only: a lenet comparison leaves it out (the report lists it with the
+    reason) instead of failing on its refusal; a gpt comparison runs it."""
+    from distref.compare import discover, made_for_the_model
+
+    found = discover(ROOT / "impls")
+    chosen, not_run = made_for_the_model(found, ["single", "ddp", "tensor_parallel"], ["--steps", "5"])
+    assert chosen == ["single", "ddp"]
+    assert not_run == [("tensor_parallel", "trains --model gpt only; this workload is --model lenet")]
+    chosen, not_run = made_for_the_model(found, ["single", "tensor_parallel"], ["--model", "gpt"])
+    assert chosen == ["single", "tensor_parallel"] and not_run == []

@@ -397,9 +397,10 @@ def test_the_scan_sees_the_loads_it_is_about():
     assert "fail" in checks.no_return
     unpickling = {_rel(p): sorted({n for _, n in _unpickling(_parse(p))}) for p in PRODUCTION_FILES}
     assert "engine.load_checkpoint" in unpickling["impls/deepspeed_zero/train.py"]
-    assert "torch.distributed.checkpoint.load" in unpickling["impls/fsdp/train.py"]
+    assert "torch.distributed.checkpoint.load" in unpickling["core/src/distref/checkpoint.py"]  # fsdp, TP
     assert "pickle.loads" in unpickling["core/src/distref/data.py"]
-    assert unpickling["core/src/distref/checkpoint.py"] == []  # distref's own load_checkpoint is weights_only
+    # distref's own load_checkpoint is weights_only: DCP's load (sharded checkpoints) is the one there
+    assert unpickling["core/src/distref/checkpoint.py"] == ["torch.distributed.checkpoint.load"]
 
 
 UNSAFE_SOURCES = {

@@ -25,27 +25,21 @@ import time
 
 import torch
 import torch.distributed as dist  # --- FSDP ---
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
-    check_listed_files,
     checkpoint_path,
     describe_resume,
-    folder_hashes,
+    full_state_dict,
     load_checkpoint,
+    load_sharded_checkpoint,
     resume_path,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from distref.config import RunConfig, fail, parse_config, under_torchrun
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
@@ -62,7 +56,6 @@ from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
 from distref.record import RunRecord, peak_memory_bytes, print_summary
 from distref.training import (
-    at_least_fp32,
     autocast,
     configure_cpu_threads,
     evaluate,
@@ -158,16 +151,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: RunConfig, device: torch
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state_dict on every rank (plain tensors, fp32 or fp64, on the CPU), gathered from
-    the shards: a collective, every rank calls it. Keys are the core model's, as in every impl."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {
-        k: at_least_fp32(v.detach()).cpu().clone() if v.is_floating_point() else v.cpu()
-        for k, v in state.items()
-    }
-
-
 # --- end FSDP options ---
 
 
@@ -226,17 +209,12 @@ def main(argv: list[str] | None = None) -> dict:
         # --- FSDP: the index (step-N.pt: step, record, options, RNG, file hashes) names a complete
         # sharded checkpoint, the folder step-N/ beside it (torch.distributed.checkpoint). DCP reshards
         # on load: a checkpoint written by any number of ranks loads at any other.
+        # The files' hashes are checked before DCP reads them (it unpickles its .metadata).
         try:
             state = load_checkpoint(path, cfg, n_steps)
-            check_listed_files(path, path.parent / state.get("folder", ""), state.get("sha256", {}))
+            load_sharded_checkpoint(model, optimizer, path, state)  # this rank's shards, in place
         except CheckpointError as exc:  # --- FSDP: every rank finds it; rank 0 says it, once
             fail(str(exc), IMPL) if is_main else sys.exit(2)
-        model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, to fill
-        sharded = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(sharded, checkpoint_id=path.parent / state["folder"])
-        set_state_dict(
-            model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"]
-        )
         # --- end FSDP ---
         scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
@@ -326,8 +304,18 @@ def main(argv: list[str] | None = None) -> dict:
                     )
                     tb.add_scalar("test/accuracy", accuracy, done)
 
-                if checkpoint_now:  # --- FSDP: every rank writes its shards, rank 0 the index
-                    save_sharded_checkpoint(model, optimizer, scaler, cfg, done, n_steps, record, is_main)
+                if checkpoint_now:  # --- FSDP: every rank writes its shards (DCP), rank 0 the index
+                    state = {
+                        "scaler": scaler.state_dict(),
+                        "step": done,
+                        "total_steps": n_steps,
+                        "rng": torch.get_rng_state(),
+                        "record": record.state(),
+                        "config": cfg.to_dict(),
+                    }
+                    # --- FSDP: the index step-N.pt, written by rank 0; each rank's shards in step-N/
+                    index = checkpoint_path(cfg.checkpoint_dir, done)
+                    save_sharded_checkpoint(model, optimizer, index, state, is_main)
     except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
         record.fail(f"{type(exc).__name__}: {exc}")
         raise
@@ -348,46 +336,6 @@ def main(argv: list[str] | None = None) -> dict:
     if is_main:
         print_summary(record.data)
     return record.data
-
-
-# --- FSDP: sharded checkpoints (torch.distributed.checkpoint): each rank writes its shards of the model
-# and optimizer state into a folder step-N/ beside the index step-N.pt.
-def save_sharded_checkpoint(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    cfg: RunConfig,
-    done: int,
-    n_steps: int,
-    record: RunRecord,
-    is_main: bool,
-) -> None:
-    """DCP writes its files without a temporary name; the index, written atomically by rank 0 after every
-    rank has finished (barrier), is what makes the set complete: a crash mid-save leaves the previous
-    index the newest, and `--resume auto` never sees the half-written folder."""
-    index = checkpoint_path(cfg.checkpoint_dir, done)
-    folder = index.parent / index.stem
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # DTensor shards, no gathering
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-    dist.barrier()
-    if is_main:
-        state = {
-            "folder": folder.name,
-            "world_size": dist.get_world_size(),  # informative: DCP reshards to any world size on load
-            # DCP's .metadata file is a pickle, read with pickle.load: the hashes of every file, taken
-            # when written, are checked before anything is read on resume.
-            "sha256": folder_hashes(folder),
-            "scaler": scaler.state_dict(),
-            "step": done,
-            "total_steps": n_steps,
-            "rng": torch.get_rng_state(),
-            "record": record.state(),
-            "config": cfg.to_dict(),
-        }
-        save_checkpoint(index, state)
-
-
-# --- end FSDP ---
 
 
 if __name__ == "__main__":

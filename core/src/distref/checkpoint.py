@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from distref.config import RunConfig, is_first_rank
-from distref.training import lr_factor
+from distref.training import at_least_fp32, lr_factor
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
 # Options that fix the model, the data order or the optimizer's trajectory: a checkpoint cannot continue a
@@ -204,3 +204,60 @@ def check_listed_files(index: Path, folder: Path, sha256: dict[str, str]) -> Non
             raise CheckpointError(
                 f"checkpoint file {file} is missing or not the one written (sha256 differs)"
             )
+
+
+# Sharded checkpoints of DTensor models (impls/fsdp, impls/tensor_parallel) with torch.distributed.checkpoint
+# (DCP): each rank writes and reads only its own shards, and DCP reshards on load (any world size or mesh).
+def save_sharded_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    index: Path,
+    state: dict[str, Any],
+    is_main: bool,
+) -> None:
+    """Every rank writes its shards of the model and optimizer state into the folder `index` names (without
+    `.pt`); after a barrier, rank 0 writes `state` (step, record, RNG, ...) with the folder's name and the
+    sha256 of every file in it as the index, atomically. DCP writes in place: the index is what makes the
+    set complete, so a crash mid-save leaves the previous index the newest and `--resume auto` never sees
+    the half-written folder. A collective: every rank calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = index.parent / index.stem
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # DTensor shards, nothing gathered
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    dist.barrier()  # every rank's files are written before the index says the set is complete
+    if is_main:
+        # DCP's .metadata is a pickle, read with pickle.load: the hashes taken now are checked on resume
+        # before anything is read.
+        listed = {"folder": folder.name, "world_size": dist.get_world_size(), "sha256": folder_hashes(folder)}
+        save_checkpoint(index, {**state, **listed})
+
+
+def load_sharded_checkpoint(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, index: Path, state: dict[str, Any]
+) -> None:
+    """Check the folder beside `index` against the hashes `state` (the index, loaded) lists
+    (CheckpointError), then load this rank's shards of the model and optimizer state in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = index.parent / state.get("folder", "")
+    check_listed_files(index, folder, state.get("sha256", {}))
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, to fill
+    sharded = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(sharded, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict on every rank (plain tensors, fp32 or fp64, on the CPU), gathered from
+    a DTensor model's shards: a collective, every rank calls it. Keys are the core model's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {
+        k: at_least_fp32(v.detach()).cpu().clone() if v.is_floating_point() else v.cpu()
+        for k, v in state.items()
+    }

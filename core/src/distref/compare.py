@@ -16,6 +16,7 @@ for the report's parity column. A run that fails appears in the report with its 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.util
 import os
@@ -50,8 +51,29 @@ def discover(impls_dir: Path) -> dict[str, dict]:
     for train in sorted(impls_dir.glob("*/train.py")):
         with open(train.parent / "pyproject.toml", "rb") as f:
             settings = tomllib.load(f).get("tool", {}).get("distref", {})
-        found[train.parent.name] = {"train": train, "launcher": settings.get("launcher", "python")}
+        found[train.parent.name] = {
+            "train": train,
+            "launcher": settings.get("launcher", "python"),
+            "models": settings.get("models"),  # None: every model; else the only ones it trains
+        }
     return found
+
+
+def made_for_the_model(
+    available: dict[str, dict], chosen: list[str], run_args: list[str]
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the chosen impls that train the workload's model, [(impl, why not) for the others]): an impl made
+    for some models only (tensor_parallel: gpt) is left out of another model's comparison, and the report
+    says so, rather than failing the whole comparison."""
+    model_option = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    model_option.add_argument("--model", default="lenet")
+    model = model_option.parse_known_args(run_args)[0].model
+    left_out = {
+        impl: f"trains --model {' / '.join(available[impl]['models'])} only; this workload is --model {model}"
+        for impl in chosen
+        if available[impl]["models"] and model not in available[impl]["models"]
+    }
+    return [impl for impl in chosen if impl not in left_out], list(left_out.items())
 
 
 def validate(impl: str, train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
@@ -124,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("runs") / "compare" / stamp)
 
+    chosen, not_run = made_for_the_model(available, chosen, run_args)
+    for impl, reason in not_run:
+        print(f"{impl}: not run ({reason})", flush=True)
+
     # Validate everything before starting anything: a typo fails in a second, not after the first impl.
     plans = []
     for impl in chosen:
@@ -188,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from distref.report import build_report
 
-    report = build_report([run_dir for _, _, _, run_dir, _ in plans], out)
+    report = build_report([run_dir for _, _, _, run_dir, _ in plans], out, not_run=not_run)
     print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report.resolve()}")
 
 

@@ -1,7 +1,7 @@
 """The models every impl trains, each an ordered list of named blocks.
 
 `BlockModel` is an `nn.Sequential` of named blocks, so model-parallel and pipeline impls can partition it
-by block without special cases, and parameter names (`conv1.0.weight`, `block0.attn.qkv.weight`, ...) are
+by block without special cases, and parameter names (`conv1.0.weight`, `block0.attn.q.weight`, ...) are
 the same whichever impl trains it: a `--save-final` state_dict from any impl loads into any other.
 """
 
@@ -118,18 +118,27 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate query, key and value projections (Llama's layout)
+    rather than one fused qkv matrix: split by output rows (tensor parallelism's ColwiseParallel), each
+    projection then gives a rank whole heads, whereas a fused [q; k; v] matrix would give rank 0 all of q
+    and part of k. The number of heads is read from the projections' outputs, so the same forward runs on
+    a rank holding n_head / tp of them. The key projection has no bias: it would add q·b to every score
+    of a query's row, which softmax ignores, so its gradient is zero and its updates pure rounding noise
+    (different in every correct implementation, which parity checks would flag)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -167,7 +176,10 @@ def gpt(cfg: GPTConfig) -> BlockModel:
     blocks["head"] = Head(cfg)
     model = BlockModel(blocks)
     for name, p in model.named_parameters():  # GPT-2 init; residual projections scaled by depth
-        if name.endswith(("qkv.weight", "mlp.0.weight", "out.weight")) or "embed" in name:
+        if (
+            name.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.0.weight", "out.weight"))
+            or "embed" in name
+        ):
             nn.init.normal_(p, std=0.02)
         elif name.endswith(("proj.weight", "mlp.2.weight")):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))

@@ -17,7 +17,9 @@ Which single run is the oracle, and how close it must be (the README's "Parity: 
 What each impl runs comes from its pyproject.toml, [tool.distref.parity]: `world_sizes`, `accumulation`
 (the option that splits a step: --grad-accum, pipeline's --microbatches) with its `values`, `variants`
 (strategy options, one row each) and `sums` ("world": each rank sums its own slice, S = world × K; "one":
-every rank sees the whole batch, S = K). A new impl joins by adding that table. Cases an impl refuses
+every rank sees the whole batch, S = K), `model` (an impl that trains one model only: its rows, and their
+single references, train that model instead of the workload's) and `inexact_fp32` (why fp32 AdamW is not
+exact whatever S, e.g. tensor parallelism splitting each matmul's sum). A new impl joins by adding that table. Cases an impl refuses
 (DeepSpeed in fp64) show its one-line reason. Writes parity.md (a report section) and parity.json.
 """
 
@@ -62,6 +64,8 @@ def parity_settings(impl_dir: Path) -> dict:
         "values": table.get("values", [1, 2]),
         "variants": table.get("variants", [[]]),
         "sums": table.get("sums", "one"),
+        "model": table.get("model"),
+        "inexact_fp32": table.get("inexact_fp32"),
     }
 
 
@@ -73,6 +77,8 @@ def oracle(impl: str, settings: dict, world: int, accum: int, precision: str, op
         return 1, FP32_TOLERANCE
     if impl == "single":
         return None, "the oracle itself"
+    if settings["inexact_fp32"]:
+        return None, settings["inexact_fp32"]
     sums = accum * (world if settings["sums"] == "world" else 1)
     if sums & (sums - 1):
         return None, f"{sums} micro-batch sums: not exact in fp32 (fp64 column)"
@@ -223,12 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     for impl in chosen:
         info, settings = available[impl], parity_settings(available[impl]["train"].parent)
         distributed = info["launcher"] == "torchrun"
+        model = ("--model", settings["model"]) if settings["model"] else ()  # replaces the workload's
         for variant in settings["variants"]:
             for world in settings["world_sizes"]:
                 for accum in settings["values"]:
-                    row = (impl, " ".join(variant), world, accum)
+                    row = (impl, " ".join([*model, *variant]), world, accum)
                     for precision, optimizer in COLUMNS:
-                        case = [*run_args, "--precision", precision, "--optimizer", optimizer, *variant]
+                        case = [
+                            *run_args,
+                            *model,
+                            "--precision",
+                            precision,
+                            "--optimizer",
+                            optimizer,
+                            *variant,
+                        ]
                         case += [settings["accumulation"], str(accum)]
                         reference, tolerance = oracle(impl, settings, world, accum, precision, optimizer)
                         cell = {"row": row, "column": (precision, optimizer), "args": case}
@@ -239,18 +254,20 @@ def main(argv: list[str] | None = None) -> int:
                         if problem:
                             cells.append({**cell, "refused": problem})
                             continue
-                        ref_key = (precision, optimizer, reference)
+                        ref_key = (precision, optimizer, reference, model)
                         references.add(ref_key)
                         cells.append({**cell, "reference": ref_key, "tolerance": tolerance})
 
     started = time.perf_counter()
     ref_files = {}
-    for precision, optimizer, accum in sorted(references):
-        path = out / "single" / f"{precision}-{optimizer}-accum{accum}.pt"
+    for precision, optimizer, accum, model in sorted(references):
+        name = f"{precision}-{optimizer}-accum{accum}{'-' + model[1] if model else ''}"
+        path = out / "single" / f"{name}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        args_ = [*run_args, "--precision", precision, "--optimizer", optimizer, "--grad-accum", str(accum)]
+        args_ = [*run_args, *model, "--precision", precision, "--optimizer", optimizer]
+        args_ += ["--grad-accum", str(accum)]
         code = run([sys.executable, str(single), *args_, "--save-final", str(path)], path.with_suffix(".log"))
-        ref_files[precision, optimizer, accum] = path if code == 0 else None
+        ref_files[precision, optimizer, accum, model] = path if code == 0 else None
 
     import torch
 

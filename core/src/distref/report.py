@@ -433,7 +433,14 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: bool = False) -> Path:
+def build_report(
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    allow_mixed: bool = False,
+    not_run: Sequence[tuple[str, str]] = (),
+) -> Path:
+    """The comparison report (report.md and its plots) of the runs in `run_dirs`, written under `out`;
+    `not_run`: (impl, why) of impls the comparison left out of this workload."""
     runs = load_runs(run_dirs)
     if not runs:
         raise SystemExit("distref.report: error: no runs given")
@@ -470,6 +477,8 @@ def build_report(run_dirs: Sequence[str | Path], out: str | Path, allow_mixed: b
         md += [f"> - {r.label}: {describe_workload(r.record['config'])}" for r in runs] + [""]
     if failures:
         md += ["## Failed runs", "", _md_table(["run", "error", "run dir"], failures), ""]
+    if not_run:
+        md += ["## Not run on this workload", "", _md_table(["impl", "why"], [list(n) for n in not_run]), ""]
     for title, (header, rows) in table_data.items():
         md += [f"## {title}", "", _md_table(header, rows), ""]
         if title.startswith("Parity"):
