@@ -209,4 +209,4 @@ def tests(session: nox.Session) -> None:
     # Two tests at a time (pytest-xdist): a one-process test leaves the second core idle, and a
     # multi-rank test spends seconds starting processes and waiting on its neighbours; on 2 cores this
     # took the suite from 16.7 to 11.6 minutes. `-- -n 0` runs one at a time.
-    session.run("pytest", "-n", "2", "--dist", "worksteal", "--durations=15", *session.posargs)
+    session.run("pytest", "-n", "2", "--dist", "worksteal", "--durations=40", *session.posargs)
