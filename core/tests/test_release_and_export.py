@@ -201,6 +201,12 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
         assert tomllib.load(f)["tool"]["distref"]["exported-from"]["impl"] == impl
     assert "from distref." not in (dest / "train.py").read_text()
     assert f"impl `{impl}`" in (dest / "README.md").read_text().splitlines()[0]  # version stamped
+    # Its tests import (every `distref` import rewritten to the vendored package: `import distref.config`
+    # once became `import distref_fsdp as distref.config`, a SyntaxError at collection).
+    collected = run_script(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=dest
+    )
+    assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-2000:]
 
     # `pip install .` (-e: test_exported_project_installs_editable_and_its_tests_run_on_the_install): the
     # vendored core, with its data files, is copied into the venv; the folder's own copy is then moved
@@ -221,9 +227,13 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
         cmd = [str(fresh_python), "-s", "-E", "train.py", *args]
         return subprocess.run(cmd, capture_output=True, text=True, cwd=dest, env=env, timeout=300)
 
-    # An impl made for one model (tensor_parallel: gpt) trains that model on the synthetic set instead.
+    # An impl made for one model (tensor_parallel: gpt) trains that model on the synthetic set instead, as
+    # its README's first run says.
     models = discover(ROOT / "impls")[impl]["models"]
     workload = [*SYNTHETIC, "--model", models[0]] if models else SYNTHETIC
+    assert (
+        f"python train.py --model {models[0]} --dataset" if models else "python train.py --dataset"
+    ) in readme
     exported = run_exported(*workload, "--save-final", str(tmp_path / "exported.pt"))
     assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
     if impl == "ddp":  # the same core check in every impl: once, for one that would start ranks
@@ -304,3 +314,15 @@ def test_core_version_is_the_one_in_its_pyproject():
 
     with open(Path(distref.__file__).parents[2] / "pyproject.toml", "rb") as f:
         assert distref.__version__ == tomllib.load(f)["project"]["version"]
+
+
+def test_an_export_from_outside_git_is_valid_python(monkeypatch, tmp_path):
+    """From a tarball or a copy without .git (as ci/mutants.py makes) the commit is unknown: the stamp
+    must still be Python (it once wrote JSON's `null` into the package's __init__.py)."""
+    import distref.export
+
+    monkeypatch.setattr(distref.export, "git_sha", lambda: None)
+    dest = export("ddp", tmp_path / "my-ddp")
+    namespace: dict = {}
+    exec(compile((dest / "distref_ddp" / "__init__.py").read_text(), "__init__.py", "exec"), namespace)
+    assert namespace["EXPORTED_FROM"]["git_sha"] is None and namespace["EXPORTED_FROM"]["impl"] == "ddp"

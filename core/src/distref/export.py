@@ -52,12 +52,24 @@ def core_modules_needed(sources: list[Path]) -> set[str]:
 
 
 def rewrite_imports(text: str, package: str) -> str:
-    """`from distref.x import y` -> `from <package>.x import y` (and `from distref import`, `import distref`)."""
+    """`from distref.x import y` -> `from <package>.x import y` (and `from distref import`, `import distref`;
+    `import distref.x` -> `import <package>.x` then `import <package> as distref`, so that `distref.x`
+    still names the submodule)."""
     text = re.sub(r"(?m)^(\s*)from distref(\.| import)", rf"\1from {package}\2", text)
-    return re.sub(r"(?m)^(\s*)import distref\b", rf"\1import {package} as distref", text)
+    text = re.sub(
+        r"(?m)^(\s*)import distref\.([\w.]+)$", rf"\1import {package}.\2\n\1import {package} as distref", text
+    )
+    return re.sub(r"(?m)^(\s*)import distref$", rf"\1import {package} as distref", text)
 
 
-def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str) -> str:
+def first_run(settings: dict) -> str:
+    """The short run an export suggests: synthetic data, 50 steps, on the impl's own model if it trains
+    only some (tensor_parallel: gpt)."""
+    model = f"--model {settings['models'][0]} " if settings.get("models") else ""
+    return f"python train.py {model}--dataset synthetic --steps 50"
+
+
+def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str, run: str) -> str:
     """The impl's README with its paths as they are in the export, under a section saying how to install,
     run and test the exported project."""
     text = text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
@@ -76,7 +88,7 @@ hardware, write your torch build (and its torchvision) into it first.
 ```bash
 python3 -m venv .venv && . .venv/bin/activate
 pip install -c constraints.txt -e .                    # torch (pinned) and the vendored core
-python train.py --dataset synthetic --steps 50{launch}
+{run}{launch}
 pip install -c constraints.txt torchvision tqdm        # real MNIST, resnet18, progress bars
 pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorboard
 python -m pytest tests                                 # parity with baseline/single, and more
@@ -115,7 +127,7 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     for module in sorted(core_modules_needed([*trains, *tests_and_fixtures])):
         text = rewrite_imports((CORE_DIR / f"{module}.py").read_text(), package)
         if module == "__init__":
-            text += f"\nEXPORTED_FROM = {json.dumps(stamp)}\n"
+            text += f"\nEXPORTED_FROM = {stamp!r}\n"  # a Python literal (None, not JSON null)
         (dest / package / f"{module}.py").write_text(text)
     for data_file in CORE_DIR.glob("*.json"):  # the record schema
         shutil.copy(data_file, dest / package / data_file.name)
@@ -124,8 +136,10 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     for name in ("train.py", "README.md", "CHANGELOG.md"):
         text = (source / name).read_text()
         if name == "README.md":
-            launcher = impl_project.get("tool", {}).get("distref", {}).get("launcher", "python")
-            text = exported_readme(text, impl, package, stamp, launcher)
+            settings = impl_project.get("tool", {}).get("distref", {})
+            text = exported_readme(
+                text, impl, package, stamp, settings.get("launcher", "python"), first_run(settings)
+            )
         (dest / name).write_text(rewrite_imports(text, package) if name.endswith(".py") else text)
     shutil.copy(REPO / "ci" / "constraints.txt", dest / "constraints.txt")
     if impl != "single":
@@ -190,9 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls-dir", type=Path, default=REPO / "impls")
     args = parser.parse_args(argv)
     dest = export(args.impl, args.dest, args.impls_dir)
+    with open(args.impls_dir / args.impl / "pyproject.toml", "rb") as f:
+        settings = tomllib.load(f).get("tool", {}).get("distref", {})
     print(
         f"exported {args.impl} to {dest}: see its README (install through constraints.txt), then "
-        "`python train.py --dataset synthetic --steps 50` there"
+        f"`{first_run(settings)}` there"
     )
 
 
