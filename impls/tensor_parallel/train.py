@@ -225,14 +225,17 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 def record_held_shapes(model: nn.Module) -> dict[str, list[int]]:
     """Filled by the first forward: the shape of what this rank holds of the activations between blocks
-    (sequence parallel: 1/T of the sequence) and of the logits (loss parallel: 1/T of the vocabulary)."""
+    (sequence parallel: 1/T of the sequence) and of the logits (loss parallel: 1/T of the vocabulary).
+    Each hook removes itself once it has looked: nothing runs in later steps."""
     shapes: dict[str, list[int]] = {}
-
-    def note(name: str, output: torch.Tensor) -> None:  # (a hook that returns None keeps the output)
-        shapes.setdefault(name, list(local_part(output).shape))
-
+    handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
     for name, module in (("between_blocks", model.block0), ("logits", model.head)):
-        module.register_forward_hook(lambda _module, _args, output, name=name: note(name, output))
+
+        def note(_module, _args, output, name=name) -> None:  # (returning None keeps the output)
+            shapes[name] = list(local_part(output).shape)
+            handles.pop(name).remove()
+
+        handles[name] = module.register_forward_hook(note)
     return shapes
 
 

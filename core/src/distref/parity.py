@@ -20,8 +20,8 @@ What each impl runs comes from its pyproject.toml, [tool.distref.parity]: `world
 (strategy options, one row each) and `sums` ("world": each rank sums its own slice, S = world × K; "one":
 every rank sees the whole batch, S = K), `model` (an impl that trains one model only: its rows, and their
 single references, train that model instead of the workload's) and `inexact_fp32` (why fp32 AdamW is not
-exact whatever S, e.g. tensor parallelism splitting each matmul's sum). A new impl joins by adding that table. Cases an impl refuses
-(DeepSpeed in fp64) show its one-line reason. Writes parity.md (a report section) and parity.json.
+exact whatever S, e.g. tensor parallelism splitting each matmul's sum). A new impl joins by adding that
+table. Cases an impl refuses (DeepSpeed in fp64) show its one-line reason. Writes parity.md (a report section) and parity.json.
 """
 
 from __future__ import annotations
@@ -274,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
                         cells.append({**cell, "reference": ref_key, "tolerance": tolerance})
 
     started = time.perf_counter()
-    jobs = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)  # each job waits on its subprocess
 
     def run_reference(key: tuple) -> None:
         precision, optimizer, accum, model = key
@@ -287,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         ref_files[key] = path if code == 0 else None
 
     ref_files: dict = {}
-    list(jobs.map(run_reference, sorted(references)))
+    # Each job only waits on its subprocess: threads suffice. References first (every cell needs one).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as jobs:
+        list(jobs.map(run_reference, sorted(references)))
 
     import torch
 
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    list(jobs.map(run_cell, to_run))
-    jobs.shutdown()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as jobs:
+        list(jobs.map(run_cell, to_run))
 
     section = render(cells, run_args, time.perf_counter() - started)
     (out / "parity.md").write_text(section)
