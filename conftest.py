@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from distref.parity import max_relative_difference
+from distref.testing import run_ranks
 
 # One thread per process, in-process runs included, as every rank has: results then do not depend on the
 # machine's core count, and single sums exactly as one rank does (see the bit-identity test in impls/ddp).
@@ -55,6 +56,15 @@ def self_launched(impl: str, args: list[str], timeout: float = 300):
     """`python impls/<impl>/train.py ARGS` for a multi-process impl: the file checks ARGS, then starts its
     own ranks (`--nproc-per-node`), as a user would run it."""
     return run_script([sys.executable, str(train_path(impl)), *args], timeout=timeout)
+
+
+def launch(nproc: int, impl: str, args: list[str], timeout: float = 300, env: dict | None = None):
+    """What `torchrun --standalone --nproc-per-node NPROC impls/<impl>/train.py ARGS` runs, and its result:
+    the same ranks, forked from a process that has imported torch once (distref.testing.run_ranks), so
+    that each does not spend ~2 s of CPU importing it. Tests of the launchers themselves (restarts,
+    torchrun's failure report, `python train.py --nproc-per-node`) use `torchrun` and `self_launched`."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return run_ranks(nproc, str(train_path(impl)), args, env=full_env, timeout=timeout, cwd=ROOT)
 
 
 def torchrun(nproc: int, impl: str, args: list[str], **kwargs):

@@ -22,6 +22,7 @@ from conftest import (
     check_stopped_rank_is_named,
     counting_block_calls,
     expected_time_to_target,
+    launch,
     load_train_module,
     max_relative_difference,
     mnist_convergence_args,
@@ -41,7 +42,7 @@ SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd",
 
 
 def run_ddp(nproc: int, args: list[str], timeout: float = 300, extra_env: dict | None = None):
-    result = torchrun(nproc, "ddp", args, timeout=timeout, env=extra_env)
+    result = launch(nproc, "ddp", args, timeout=timeout, env=extra_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -112,7 +113,7 @@ def test_compression_hooks_train_close_to_single(hook, bound, single_train, tmp_
 
 
 def test_powersgd_is_refused_on_cpu_before_training():
-    result = torchrun(
+    result = launch(
         2, "ddp", ["--comm-hook", "powersgd", "--device", "cpu", "--dataset", "synthetic"], timeout=120
     )
     assert result.returncode != 0
@@ -122,7 +123,7 @@ def test_powersgd_is_refused_on_cpu_before_training():
 
 @pytest.mark.faults
 def test_batch_not_divisible_by_world_size_is_one_line(tmp_path):
-    result = torchrun(4, "ddp", ["--dataset", "synthetic", "--global-batch-size", "6"], timeout=120)
+    result = launch(4, "ddp", ["--dataset", "synthetic", "--global-batch-size", "6"], timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("must be divisible by world size × --grad-accum = 4 × 1 = 4") == 1
 
@@ -217,7 +218,7 @@ def test_static_graph_with_grad_accum_is_refused_in_one_line(capsys):
 
 @pytest.mark.faults
 def test_bad_data_root_is_one_line_before_any_process_group(tmp_path):
-    result = torchrun(2, "ddp", ["--data-root", "/etc/passwd/x"], timeout=120)
+    result = launch(2, "ddp", ["--data-root", "/etc/passwd/x"], timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("--data-root /etc/passwd/x: /etc/passwd is not a directory") == 1
     assert "NotADirectoryError" not in result.stderr
@@ -408,7 +409,7 @@ def test_fp64_equals_plain_single_at_three_ranks_with_adamw_and_accumulation(tmp
     plain single; `nox -s parity` runs every world size, accumulation and optimizer."""
     args = ["--model", "lenet", "--dataset", "synthetic", "--steps", "10", "--global-batch-size", "48"]
     args += ["--precision", "fp64", "--optimizer", "adamw", "--lr", "0.01"]
-    result = torchrun(3, "ddp", [*args, "--grad-accum", "2", "--save-final", str(tmp_path / "ddp.pt")])
+    result = launch(3, "ddp", [*args, "--grad-accum", "2", "--save-final", str(tmp_path / "ddp.pt")])
     assert result.returncode == 0, result.stderr[-3000:]
     load_train_module("single").main([*args, "--save-final", str(tmp_path / "single.pt")])
     ddp, single = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("ddp", "single"))

@@ -13,6 +13,7 @@ from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    launch,
     load_train_module,
     max_relative_difference,
     mnist_convergence_args,
@@ -20,7 +21,6 @@ from conftest import (
     run_script,
     score_saved_model,
     self_launched,
-    torchrun,
     train_path,
 )
 from distref.checkpoint import CheckpointError, latest_checkpoint
@@ -31,7 +31,7 @@ SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd",
 
 
 def run_zero(nproc: int, args: list[str], timeout: float = 300):
-    result = torchrun(nproc, IMPL, args, timeout=timeout)
+    result = launch(nproc, IMPL, args, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -160,7 +160,7 @@ def test_checkpoint_of_another_layout_or_altered_is_refused_in_one_line(tmp_path
     # A truncated DeepSpeed file: refused before DeepSpeed unpickles it, in one line (rank 0's).
     shard = next((ckpt / "step-00000004").glob("*optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[:-10])
-    altered = torchrun(2, IMPL, [*args, "--steps", "6", "--resume", "auto", "--zero-stage", "2"], timeout=120)
+    altered = launch(2, IMPL, [*args, "--steps", "6", "--resume", "auto", "--zero-stage", "2"], timeout=120)
     assert altered.returncode != 0
     assert altered.stderr.count(f"checkpoint file {shard} is missing or not the one written") == 1
     assert 'train.py", line' not in altered.stderr  # no rank's traceback (torchrun adds its own report)

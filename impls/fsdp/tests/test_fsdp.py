@@ -12,13 +12,13 @@ import torch
 from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_resumes_exactly,
+    launch,
     load_train_module,
     max_relative_difference,
     mnist_convergence_args,
     parity_args,
     score_saved_model,
     self_launched,
-    torchrun,
 )
 from distref.checkpoint import CheckpointError, check_listed_files
 from distref.config import parse_config
@@ -29,7 +29,7 @@ SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd",
 
 
 def run_fsdp(nproc: int, args: list[str], timeout: float = 300):
-    result = torchrun(nproc, IMPL, args, timeout=timeout)
+    result = launch(nproc, IMPL, args, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -144,7 +144,7 @@ def test_a_checkpoint_saved_by_2_ranks_resumes_at_4_and_an_altered_one_is_refuse
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp is missing or not the one written"):
         check_listed_files(index, ckpt / state["folder"], state["sha256"])
-    altered = torchrun(
+    altered = launch(
         2, IMPL, [*args, "--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "auto"], timeout=120
     )
     assert altered.returncode != 0

@@ -12,6 +12,7 @@ from conftest import (
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     expected_time_to_target,
+    launch,
     load_train_module,
     max_relative_difference,
     mnist_convergence_args,
@@ -31,7 +32,14 @@ def python_train(args: list[str], timeout: float = 300):
 
 
 def run_mp(args: list[str], timeout: float = 300):
-    result = python_train(args, timeout)
+    """`python train.py --nproc-per-node N ARGS`, run as the N ranks it starts (conftest.launch: the
+    launch itself has tests of its own); a one-process form (--devices) as it is."""
+    if "--nproc-per-node" in args:
+        at = args.index("--nproc-per-node")
+        nproc, rest = int(args[at + 1]), args[:at] + args[at + 2 :]
+        result = launch(nproc, "model_parallel", [*TIMEOUT, *rest], timeout=timeout)
+    else:
+        result = python_train(args, timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -159,8 +167,8 @@ def test_a_checkpoint_cut_elsewhere_is_refused(tmp_path):
             *ckpt,
         ]
     )
-    again = ["--nproc-per-node", "3", "--partition", "1,3", "--dataset", "synthetic", "--steps", "8"]
-    result = python_train([*again, "--global-batch-size", "16", "--resume", "auto", *ckpt])
+    again = [*TIMEOUT, "--partition", "1,3", "--dataset", "synthetic", "--steps", "8"]
+    result = launch(3, "model_parallel", [*again, "--global-batch-size", "16", "--resume", "auto", *ckpt])
     assert result.returncode == 1
     assert result.stderr.count("was cut at [2, 3], this run at [1, 3]") >= 1
 

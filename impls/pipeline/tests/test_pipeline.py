@@ -13,13 +13,13 @@ from conftest import (
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     expected_time_to_target,
+    launch,
     load_train_module,
     max_relative_difference,
     mnist_convergence_args,
     parity_args,
     score_saved_model,
     self_launched,
-    torchrun,
 )
 from distref.config import parse_config
 
@@ -35,7 +35,7 @@ def python_train(args: list[str], timeout: float = 300):
 def run_pp(ranks: int, args: list[str], timeout: float = 300):
     """torchrun with `ranks` ranks (the tests start ranks directly: one process fewer than `python
     train.py --nproc-per-node`, which a test of its own covers)."""
-    result = torchrun(ranks, "pipeline", [*TIMEOUT, *args], timeout=timeout)
+    result = launch(ranks, "pipeline", [*TIMEOUT, *args], timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -275,10 +275,8 @@ def test_micro_batch_rules_are_torch_s_own(monkeypatch):
 
 @pytest.mark.slow
 def test_lenet_reaches_98_5_percent_on_real_mnist(mnist_root, tmp_path):
-    # `python train.py` starting its own ranks, as the README's first command does
-    args = ["--nproc-per-node", "2", "--microbatches", "2", *mnist_convergence_args(mnist_root)]
-    result = python_train([*args, "--out", str(tmp_path)], timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["--microbatches", "2", *mnist_convergence_args(mnist_root)]
+    run_pp(2, [*args, "--out", str(tmp_path)], timeout=900)
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["final_accuracy"] >= 0.985, record["evals"]
     assert record["time_to_target_s"] == expected_time_to_target(record) > 0
@@ -324,7 +322,7 @@ def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     check_killed_rank_ends_the_job("pipeline", ELASTIC, tmp_path)
     # The checkpoint it left (zbv: rank 0 holds conv1 and fc2) fits only the same layout of stages.
     other = [*ELASTIC[: ELASTIC.index("--schedule")], *ELASTIC[ELASTIC.index("--schedule") + 2 :]]
-    result = torchrun(2, "pipeline", [*other, "--checkpoint-dir", str(tmp_path / "ckpt")])
+    result = launch(2, "pipeline", [*other, "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert result.returncode != 0
     expected = (
         "holds stages [['conv1', 'fc2'], ['conv2', 'fc1']], this run [['conv1', 'conv2'], ['fc1', 'fc2']]"

@@ -12,12 +12,12 @@ import torch
 from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_resumes_exactly,
+    launch,
     load_train_module,
     max_relative_difference,
     parity_args,
     score_saved_model,
     self_launched,
-    torchrun,
 )
 from distref.config import parse_config
 from distref.parity import FP64_TOLERANCE
@@ -27,7 +27,7 @@ GPT = ["--model", "gpt", "--dataset", "synthetic"]
 
 
 def run_tp(nproc: int, args: list[str], timeout: float = 300):
-    result = torchrun(nproc, IMPL, args, timeout=timeout)
+    result = launch(nproc, IMPL, args, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

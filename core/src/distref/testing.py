@@ -1,0 +1,136 @@
+"""Run a train.py as N ranks without starting N Python interpreters: for test suites.
+
+`torchrun --nproc-per-node 2 train.py ...` starts three interpreters (its agent and two ranks), and
+each spends ~2 s of CPU importing torch before it does anything. A test suite that runs hundreds of
+short jobs spends most of its time there. `run_ranks` starts the ranks as forks of a fork server that
+has imported torch and distref once (what PyTorch's own distributed tests do with `fork`), and gives
+each rank what torchrun gives it: the same environment variables, a TCPStore hosted by the launching
+process (as torchrun's agent hosts it), the rank's output on the job's stdout/stderr, `train.py` run
+as `__main__`, and the whole job stopped when one rank fails. It is torchrun without its elastic agent:
+no restarts and no failure report, so tests of those (killed ranks, launch options) use torchrun itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+import torch.multiprocessing
+
+# Imported once by the fork server, so that no rank imports them again.
+PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch.distributed.algorithms.ddp_comm_hooks",
+    f"{__package__}.checkpoint",
+    f"{__package__}.config",
+    f"{__package__}.data",
+    f"{__package__}.dist",
+    f"{__package__}.models",
+    f"{__package__}.record",
+    f"{__package__}.training",
+]
+
+
+def _rank_main(
+    local_rank: int,
+    train_file: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    out: str,
+    err: str,
+) -> None:
+    """One rank, in a fresh fork of the fork server: `python train_file *argv` as torchrun would start it."""
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):  # every rank appends to the job's two files, as under torchrun
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own stdout)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update({**env, "RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
+    os.environ.update({"GROUP_RANK": "0", "ROLE_RANK": str(local_rank)})
+    sys.argv = [train_file, *argv]
+    code = 0
+    try:
+        runpy.run_path(train_file, run_name="__main__")
+    except SystemExit as exc:  # what the interpreter does with it
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a train.py ends its ranks this way too (distref.dist.exit_without_interpreter_teardown)
+
+
+def run_ranks(
+    nproc: int,
+    train_file: str,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `train_file argv` as `nproc` ranks on this machine, as `torchrun --standalone
+    --nproc-per-node nproc` would, and return what a subprocess.run of torchrun returns: exit code 0 when
+    every rank succeeded, else 1 (the other ranks are stopped), and the ranks' stdout and stderr.
+    Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # takes effect when this process starts its fork server
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    job_env = {
+        **(os.environ if env is None else env),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(nproc),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the ranks are clients of `store`, as of torchrun's agent's
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "distref-testing",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        open(out, "w").close()
+        open(err, "w").close()
+        ranks = torch.multiprocessing.start_processes(
+            _rank_main,
+            args=(train_file, list(argv), job_env, os.fspath(cwd or os.getcwd()), out, err),
+            nprocs=nproc,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline, returncode = time.monotonic() + timeout, 0
+        try:
+            while not ranks.join(max(deadline - time.monotonic(), 0)):  # True once every rank has ended
+                if time.monotonic() >= deadline:
+                    for process in ranks.processes:
+                        process.kill()
+                        process.join()
+                    raise subprocess.TimeoutExpired([train_file, *argv], timeout)
+        except torch.multiprocessing.ProcessExitedException:
+            returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
+        store = None  # the ranks are gone: close the store's server
+        with open(out) as stdout, open(err) as stderr:
+            return subprocess.CompletedProcess([train_file, *argv], returncode, stdout.read(), stderr.read())

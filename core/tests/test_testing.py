@@ -1,0 +1,75 @@
+"""distref.testing.run_ranks, the launcher most multi-process tests use: it must start the ranks torchrun
+would, report a failed job as failed, stop the rest of a job when one rank fails, and never hang."""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from distref.testing import run_ranks
+
+# A stand-in for a train.py: says what it was given, leaves its pid in the working directory, then fails
+# or sleeps as asked.
+RANK_SCRIPT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+env = [os.environ[k] for k in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")]
+open(f"pid-{rank}", "w").write(str(os.getpid()))
+print(f"rank {rank}: {__name__} {sys.argv[1:]} {env}", flush=True)
+if "--fail" in sys.argv and rank == 1:
+    sys.exit(3)
+if "--raise" in sys.argv and rank == 1:
+    raise ValueError("rank 1 gave up")
+if "--sleep" in sys.argv:
+    time.sleep(float(sys.argv[sys.argv.index("--sleep") + 1]))
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(RANK_SCRIPT)
+    return str(path)
+
+
+def rank_pids(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(folder.glob("pid-*"))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_each_rank_runs_the_file_as_main_with_torchruns_variables(script, tmp_path):
+    result = run_ranks(3, script, ["--x", "1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [
+        f"rank {r}: __main__ ['--x', '1'] ['3', '{r}', '3', '0']" for r in range(3)
+    ]
+    assert len(set(rank_pids(tmp_path))) == 3  # three processes, none of them this one
+    assert os.getpid() not in rank_pids(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["--fail", "--raise"])
+def test_a_failing_rank_fails_the_job_and_stops_the_others(script, tmp_path, how):
+    started = time.monotonic()
+    result = run_ranks(2, script, [how, "--sleep", "600"], timeout=120, cwd=tmp_path)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 60  # rank 0, asleep for 600 s, was stopped rather than waited for
+    assert len(rank_pids(tmp_path)) == 2 and not any(alive(pid) for pid in rank_pids(tmp_path))
+    if how == "--raise":  # an uncaught exception: its traceback on stderr, as the interpreter prints it
+        assert "Traceback" in result.stderr and "ValueError: rank 1 gave up" in result.stderr
+
+
+def test_a_job_past_its_timeout_is_killed(script, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_ranks(2, script, ["--sleep", "60"], timeout=5, cwd=tmp_path)
+    assert time.monotonic() - started < 30  # killed at 5 s, not waited for
+    assert len(rank_pids(tmp_path)) == 2 and not any(alive(pid) for pid in rank_pids(tmp_path))
