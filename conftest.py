@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -219,7 +220,9 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
 
     torch 2.13's agent SIGKILLs a rank that ignores SIGTERM only 30 s after a failure (pytorch #192815;
     measured by hand: the job ends ~45 s after the stop with --timeout 10, README): this test kills the
-    stopped rank itself once it is named, so that it does not sleep through those 30 s."""
+    stopped rank itself once it is named, so that it does not sleep through those 30 s. A job that hangs
+    instead (the bug this guards against) fails the test at a deadline: stderr is read with select, no
+    read blocks, and the job runs in its own session, so that every process of it can be killed."""
     ckpt_dir = tmp_path / "ckpt"
     run_args = [
         *args,
@@ -232,30 +235,49 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
     ]
     cmd = [sys.executable, str(train_path(impl)), "--nproc-per-node", "2", *run_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    deadline = time.time() + 120
-    from distref.checkpoint import latest_checkpoint
-
-    while latest_checkpoint(ckpt_dir) is None:  # training is under way
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    stopped = worker_pid(str(ckpt_dir), 1, deadline)
-    os.kill(stopped, signal.SIGSTOP)
-    stopped_at = time.time()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT, start_new_session=True
+    )
+    stopped = None
     try:
-        named_at, lines = None, []
-        for line in proc.stderr:  # read as it comes, to time the line
-            lines.append(line)
-            if "stopped responding" in line and named_at is None:
-                named_at = time.time()
-                os.kill(stopped, signal.SIGKILL)  # what torchrun does 30 s later
-        proc.wait(timeout=120)
-        ended_at = time.time()
+        deadline = time.time() + 120
+        from distref.checkpoint import latest_checkpoint
+
+        while latest_checkpoint(ckpt_dir) is None:  # training is under way
+            assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        stopped = worker_pid(str(ckpt_dir), 1, deadline)
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+        give_up = stopped_at + timeout_s + 60
+        named_at = ended_at = None
+        received, lines = b"", []
+        while time.time() < give_up:
+            readable, _, _ = select.select([proc.stderr], [], [], 0.2)
+            chunk = os.read(proc.stderr.fileno(), 65536) if readable else b""
+            received += chunk
+            *complete, received = received.split(b"\n")
+            for line in (c.decode(errors="replace") + "\n" for c in complete):
+                lines.append(line)
+                if "stopped responding" in line and named_at is None:
+                    named_at = time.time()
+                    os.kill(stopped, signal.SIGKILL)  # what torchrun does 30 s later
+            if readable and not chunk:  # end of stderr: the job has ended
+                proc.wait(timeout=10)
+                ended_at = time.time()
+                break
     finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(stopped, signal.SIGKILL)
-        proc.kill()
-    assert named_at is not None, "".join(lines)[-3000:]
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and any rank left, hung or not
+        proc.wait()
+        proc.stderr.close()
+    assert named_at is not None, (
+        f"no rank named within {timeout_s + 60} s of the stop: " + "".join(lines)[-3000:]
+    )
+    assert ended_at is not None, f"the job was still running {timeout_s + 60} s after the stop"
     measured("failure named after the stop", named_at - stopped_at)
     measured("job ended after it was named", ended_at - named_at)
     named = [line for line in lines if "stopped responding" in line]

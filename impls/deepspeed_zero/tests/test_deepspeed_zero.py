@@ -13,6 +13,7 @@ from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_stopped_rank_is_named,
     launch,
     load_train_module,
     max_relative_difference,
@@ -134,6 +135,13 @@ def test_killed_rank_resumes_exactly_and_the_checkpoint_converts_to_singles_stat
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     check_killed_rank_ends_the_job(IMPL, ELASTIC, tmp_path)
+
+
+@pytest.mark.faults
+def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
+    """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1.
+    DeepSpeed's own process groups included: they waited torch's 30-minute default until 0.2.1."""
+    check_stopped_rank_is_named(IMPL, [*SYNTHETIC, "--steps", "100000"], tmp_path)
 
 
 @pytest.mark.faults

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_resumes_exactly,
+    check_stopped_rank_is_named,
     launch,
     load_train_module,
     max_relative_difference,
@@ -161,6 +162,12 @@ ELASTIC += ["--resume", "auto", "--eval-every", "50"]
 def test_killed_rank_resumes_exactly(tmp_path):
     single = [*SYNTHETIC, "--steps", "100", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 100, tmp_path, single)
+
+
+@pytest.mark.faults
+def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
+    """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1."""
+    check_stopped_rank_is_named(IMPL, [*SYNTHETIC, "--steps", "100000"], tmp_path)
 
 
 @pytest.mark.parametrize(

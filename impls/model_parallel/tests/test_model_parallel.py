@@ -11,6 +11,7 @@ from conftest import (
     batchnorm_args,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_stopped_rank_is_named,
     expected_time_to_target,
     launch,
     load_train_module,
@@ -209,6 +210,15 @@ def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     check_killed_rank_ends_the_job("model_parallel", ELASTIC, tmp_path)
+
+
+@pytest.mark.faults
+def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
+    """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1.
+    Here the collective that waits for it is a send or a receive between parts."""
+    check_stopped_rank_is_named(
+        "model_parallel", ["--model", "lenet", "--dataset", "synthetic", "--steps", "100000"], tmp_path
+    )
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_stopped_rank_is_named,
     expected_time_to_target,
     launch,
     load_train_module,
@@ -328,6 +329,15 @@ def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
         "holds stages [['conv1', 'fc2'], ['conv2', 'fc1']], this run [['conv1', 'conv2'], ['fc1', 'fc2']]"
     )
     assert expected in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.faults
+def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
+    """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1.
+    Here the collective that waits for it is a stage's send or receive."""
+    check_stopped_rank_is_named(
+        "pipeline", ["--model", "lenet", "--dataset", "synthetic", "--steps", "100000"], tmp_path
+    )
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     PARITY_TOLERANCE,
     check_killed_rank_resumes_exactly,
+    check_stopped_rank_is_named,
     launch,
     load_train_module,
     max_relative_difference,
@@ -176,6 +177,12 @@ ELASTIC += ["--checkpoint-every", "5", "--resume", "auto", "--eval-every", "10"]
 def test_killed_rank_resumes_exactly(tmp_path):
     # Compared with its own uninterrupted run: tensor parallelism sums otherwise than any single run.
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 20, tmp_path, None)
+
+
+@pytest.mark.faults
+def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
+    """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1."""
+    check_stopped_rank_is_named(IMPL, [*GPT, "--steps", "100000"], tmp_path)
 
 
 @pytest.mark.parametrize(
