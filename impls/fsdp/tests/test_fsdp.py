@@ -11,6 +11,7 @@ import torch
 
 from conftest import (
     PARITY_TOLERANCE,
+    check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     check_stopped_rank_is_named,
     launch,
@@ -162,6 +163,13 @@ ELASTIC += ["--resume", "auto", "--eval-every", "50"]
 def test_killed_rank_resumes_exactly(tmp_path):
     single = [*SYNTHETIC, "--steps", "100", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 100, tmp_path, single)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
+    check_killed_rank_ends_the_job(IMPL, ELASTIC, tmp_path)
 
 
 @pytest.mark.faults

@@ -11,6 +11,7 @@ import torch
 
 from conftest import (
     PARITY_TOLERANCE,
+    check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     check_stopped_rank_is_named,
     launch,
@@ -177,6 +178,14 @@ ELASTIC += ["--checkpoint-every", "5", "--resume", "auto", "--eval-every", "10"]
 def test_killed_rank_resumes_exactly(tmp_path):
     # Compared with its own uninterrupted run: tensor parallelism sums otherwise than any single run.
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 20, tmp_path, None)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
+    # 200 steps (the later --steps counts): still training when rank 1 dies, after the first checkpoint
+    check_killed_rank_ends_the_job(IMPL, [*ELASTIC, "--steps", "200"], tmp_path)
 
 
 @pytest.mark.faults
