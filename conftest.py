@@ -437,15 +437,18 @@ def single_train():
 
 
 @pytest.fixture(scope="session")
-def single_reference(tmp_path_factory, mnist_root, single_train):
-    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches.
-    (`mnist_root` is requested for its effect: the lenet workload reads real MNIST.)"""
+def single_reference(tmp_path_factory, single_train):
+    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches."""
+    from distref.data import prepare_mnist
+
     cache: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def reference(model: str, grad_accum: int = 1, extra: Sequence[str] = ()) -> dict[str, torch.Tensor]:
         """single's final state_dict on `model`'s parity workload, with --grad-accum and `extra` options."""
         key = (model, grad_accum, tuple(extra))
         if key not in cache:
+            if model == "lenet":  # real MNIST, verified (gpt's workload needs no dataset)
+                prepare_mnist(DATA_ROOT)
             path = tmp_path_factory.mktemp("single") / "final.pt"
             single_train.main(
                 [*parity_args(model), "--grad-accum", str(grad_accum), *extra, "--save-final", str(path)]

@@ -257,8 +257,8 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
 
 def test_exported_project_installs_editable_and_its_tests_run_on_the_install(tmp_path):
     """The README's `pip install -c constraints.txt -e .` in a fresh venv (torch, numpy and pytest, no
-    distref): the vendored core is importable from anywhere, and the export's own tests — one of them a
-    short training in-process — pass with it imported only through the install. (`pip install .` and a
+    distref): the vendored core is importable from anywhere, and the export's own tests — a short training
+    in-process, and one on 2 ranks — pass with it imported only through the install. (`pip install .` and a
     run of train.py on what it installed: test_exported_impl_trains_outside_the_repo_like_inside.)"""
     python = torch_only_python(tmp_path / "fresh", ["pytest"])
     dest = export("ddp", tmp_path / "my-ddp")
@@ -269,7 +269,9 @@ def test_exported_project_installs_editable_and_its_tests_run_on_the_install(tmp
     assert after.returncode == 0, after.stderr
     assert after.stdout.strip() == str(dest / "distref_ddp" / "__init__.py")  # editable: the folder's copy
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DISTREF"))}
-    tests = "ddp_options_take_effect or static_graph_with_grad_accum"  # trains 4 steps in-process; parses
+    # 4 steps in-process; a parse; and 2 ranks against single, started as the export's own tests start them
+    # (conftest.launch: forked from a fork server that imports distref_ddp)
+    tests = "ddp_options_take_effect or static_graph_with_grad_accum or (parity_with_single and 2-gpt)"
     result = subprocess.run(
         [str(python), "-s", "-E", "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests],
         capture_output=True,
@@ -279,7 +281,8 @@ def test_exported_project_installs_editable_and_its_tests_run_on_the_install(tmp
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "2 passed" in result.stdout
+    assert "3 passed" in result.stdout
+    assert "PytestUnknownMarkWarning" not in result.stdout  # its pyproject registers the tests' markers
 
 
 def test_exported_tests_run_there(tmp_path):
@@ -300,6 +303,7 @@ def test_exported_tests_run_there(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 passed" in result.stdout
+    assert "PytestUnknownMarkWarning" not in result.stdout  # its pyproject registers the tests' markers
 
 
 def test_export_refuses_a_non_empty_destination(tmp_path):

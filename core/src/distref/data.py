@@ -312,8 +312,10 @@ def prepare_mnist(root: Path) -> Path:
 
 
 def _try_mnist_download(root: Path) -> bool:
-    from torchvision.datasets import MNIST  # only to download: reading needs no torchvision
-
+    try:
+        from torchvision.datasets import MNIST  # only to download: reading needs no torchvision
+    except ImportError:  # e.g. an exported project, which does not depend on torchvision
+        return False
     return _try_torchvision_download(MNIST, root)
 
 

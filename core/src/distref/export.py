@@ -192,9 +192,15 @@ exported-from = {{ {", ".join(f'{k} = "{v or ""}"' for k, v in stamp.items())} }
 [tool.pytest.ini_options]
 testpaths = ["tests"]
 addopts = "-ra --import-mode=importlib"
-markers = ["slow: trains for real", "gpu: needs CUDA"]
+markers = {json.dumps(pytest_markers())}
 ''')
     return dest
+
+
+def pytest_markers() -> list[str]:
+    """The markers this repo's tests use (its pyproject.toml registers them): the export's tests use them too."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["pytest"]["ini_options"]["markers"]
 
 
 def main(argv: list[str] | None = None) -> None:
