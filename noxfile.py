@@ -206,7 +206,8 @@ def tests(session: nox.Session) -> None:
     install_core(session, *TEST_DEPS, *impl_requirements(*IMPLS))
     session.env["DISTREF_DATA"] = DATA_ROOT
     # The slowest tests are printed at the end: .ci/run must stay under 12 minutes on a 2-core box.
-    # Two tests at a time (pytest-xdist): a one-process test leaves the second core idle, and a
-    # multi-rank test spends seconds starting processes and waiting on its neighbours; on 2 cores this
-    # took the suite from 16.7 to 11.6 minutes. `-- -n 0` runs one at a time.
-    session.run("pytest", "-n", "2", "--dist", "worksteal", "--durations=40", *session.posargs)
+    # Three tests at a time (pytest-xdist) on 2 cores: a one-process test leaves a core idle, and the
+    # fault tests mostly wait (a --timeout to pass, a rank to be restarted); two at a time took the suite
+    # from 16.7 to 11.6 minutes, and a third worker keeps the CPU at 99-100% while some wait (vmstat).
+    # `-- -n 0` runs one at a time.
+    session.run("pytest", "-n", "3", "--dist", "worksteal", "--durations=40", *session.posargs)
