@@ -109,6 +109,22 @@ def test_activation_checkpointing_updates_batchnorm_statistics_once():
         assert torch.equal(plain[key], checkpointed[key]), key
 
 
+def test_the_batchnorm_context_can_be_entered_again():
+    """Split backward (zero-bubble schedules) recomputes a block twice through the same context object:
+    each entry keeps the statistics as they were at that entry."""
+    from distref.models import BatchNormStatisticsKept
+
+    norm = torch.nn.BatchNorm1d(3)
+    kept = BatchNormStatisticsKept(norm)
+    for _ in range(2):
+        before = [b.clone() for b in norm.buffers()]
+        with kept:
+            norm(torch.randn(4, 3))
+        assert all(torch.equal(a, b) for a, b in zip(before, norm.buffers(), strict=True))
+    norm(torch.randn(4, 3))  # outside the context, the update stays
+    assert int(norm.num_batches_tracked) == 1
+
+
 def test_gpt_layers_sets_the_depth():
     """--gpt-layers N: embed, N transformer blocks, head; the residual projections' init shrinks with depth
     (GPT-2: std 0.02 / sqrt(2N)), and the partition says which depth fits a number of parts."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -54,8 +55,10 @@ from torch.distributed.pipelining import (
 from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
+    check_file_hashes,
     checkpoint_path,
     describe_resume,
+    file_sha256,
     load_checkpoint,
     resume_path,
     save_checkpoint,
@@ -238,8 +241,8 @@ class SavedActivations:
     """Bytes of activations autograd holds for backward (parameters excluded): `live` now, `peak` the most
     a step added on top of what was held when it started — what GPipe (M micro-batches in flight) and
     1F1B (at most p) differ in. Its pack/unpack go to torch.autograd.graph.saved_tensors_hooks around
-    each step; a saved tensor counts until autograd drops it. (Measured from the second step on: on the
-    first, each stage also infers shapes with one micro-batch whose graph it keeps.)"""
+    each step; a saved tensor counts until autograd drops it. (Measured from the second step on, as the
+    throughput is: the first pays for warm-up.)"""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
@@ -328,6 +331,34 @@ def evaluate_stages(
     return totals
 
 
+@torch.no_grad()
+def stage_examples(
+    model: BlockModel, bounds: list[tuple[int, int]], example: torch.Tensor, cfg: RunConfig, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each stage's input and output for one micro-batch `example` (their shapes and dtypes are what
+    count), from one forward of the whole model on this rank. Given to PipelineStage, they spare it its
+    own shape inference at the first step: a train-mode forward of a real micro-batch on stage 0 and of
+    uninitialised tensors on the others, which updates BatchNorm's running statistics once more than
+    single does. Here in eval mode: BatchNorm reads its statistics and writes none. On the run's device
+    and under its autocast, so that dtypes are those the stages will send; marked as requiring gradients
+    where training's would (every activation but the data), so that each stage expects its gradient."""
+
+    def as_in_training(tensor: torch.Tensor, is_activation: bool) -> torch.Tensor:
+        return tensor.detach().requires_grad_(is_activation and tensor.is_floating_point())
+
+    blocks = list(model.children())
+    model.eval()
+    examples, x = [], example.to(device)
+    with autocast(cfg, device):
+        for first, end in bounds:
+            stage_input = x
+            for block in blocks[first:end]:
+                x = block(x)
+            examples.append((as_in_training(stage_input, first > 0), as_in_training(x, True)))
+    model.train()
+    return examples
+
+
 def stage_file(index_path: Path, pp_rank: int) -> Path:
     """Where pipeline rank `pp_rank` writes its stages' part of checkpoint `index_path` (step-N.pt)."""
     return index_path.with_name(f"{index_path.stem}.pipeline-rank{pp_rank}.pt")
@@ -400,9 +431,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"{IMPL}: {schedule_name}, {n_micro} micro-batches, {dp} pipeline(s) × {p} ranks × {v} "
             f"stage(s); cut at {cuts} ({how}): {shown}"
         )
-    stage_modules = {
-        s: BlockModel(OrderedDict(blocks[slice(*bounds[s])])).to(device) for s in sorted(my_stages)
-    }
+    model.to(device)  # whole, for a moment: one example forward gives every stage its shapes
+    micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
+    examples = stage_examples(model, bounds, micro_batch, cfg, device)
+    stage_modules = {s: BlockModel(OrderedDict(blocks[slice(*bounds[s])])) for s in sorted(my_stages)}
     for module in stage_modules.values():
         module.activation_checkpointing = cfg.activation_checkpointing
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
@@ -411,9 +443,9 @@ def main(argv: list[str] | None = None) -> dict:
         [name for s in sorted(stage_indices(schedule_name, r, p, v)) for name, _ in blocks[slice(*bounds[s])]]
         for r in range(p)
     ]
-    stages = [
-        TimedStage(stage_modules[s], s, n_stages, device, group=pp_group) for s in my_stages
-    ]  # in the schedule's order for this rank
+    stages = [  # in the schedule's order for this rank
+        TimedStage(stage_modules[s], s, n_stages, device, *examples[s], group=pp_group) for s in my_stages
+    ]
     # Each micro-batch's loss is its own mean; the schedule sums the micro-batch gradients and, with
     # scale_grads=True, divides them by M once at the end: the mean over the pipeline's batch, as
     # single --grad-accum M gets by dividing each loss by M. Dividing the loss here as well would
@@ -453,16 +485,22 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
-        # --- PIPELINE: the index (step-N.pt: step, record, options, layout) names a complete checkpoint;
-        # each rank then reads its own stages' file, written beside it.
+        # --- PIPELINE: the index (step-N.pt: step, record, options, layout, the stage files' hashes)
+        # names a complete checkpoint; each rank then reads its own stages' file, written beside it.
         try:
             state = load_checkpoint(path, cfg, n_steps)
             if state["stages_by_rank"] != layout:  # --- PIPELINE: the same stages on each rank
                 raise CheckpointError(
                     f"checkpoint {path} holds stages {state['stages_by_rank']}, this run {layout}"
                 )
+            # Every stage file as written for this index (not one left by a crash or copied from
+            # another run), checked by every rank before any loads.
+            check_file_hashes(path, path.parent, state.get("stage_sha256", {}))
+        except CheckpointError as exc:  # every rank finds it; rank 0 says it, once
+            fail(str(exc), IMPL) if is_main else sys.exit(2)
+        try:
             mine = torch.load(stage_file(path, pp_rank), map_location="cpu", weights_only=True)
-        except (CheckpointError, OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError) as exc:
             fail(str(exc), IMPL)
         model.load_state_dict(mine["model"])  # --- PIPELINE: this rank's stages
         optimizer.load_state_dict(mine["optimizer"])
@@ -485,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
     pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
     pending_times: list[float] = []
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
-    schedule_s = 0.0  # --- PIPELINE: time in the schedule from the second step on (the first infers shapes)
+    schedule_s = 0.0  # --- PIPELINE: time in the schedule from the second step on (the first warms up)
 
     try:
         with profiler(cfg, rank=rank) as prof:  # --- PIPELINE: one trace per rank
@@ -577,8 +615,11 @@ def main(argv: list[str] | None = None) -> dict:
                         save_checkpoint(stage_file(index, pp_rank), held)
                     dist.barrier()
                     if is_main:
+                        stage_files = [stage_file(index, r) for r in range(p)]
                         state = {
                             "stages_by_rank": layout,
+                            # ties each stage file to this index: a resume checks them before loading
+                            "stage_sha256": {f.name: file_sha256(f) for f in stage_files},
                             "scaler": scaler.state_dict(),
                             "step": done,
                             "total_steps": n_steps,

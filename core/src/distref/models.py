@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,28 +21,34 @@ from torch.utils.checkpoint import checkpoint
 from distref.data import DatasetInfo
 
 
-@contextlib.contextmanager
-def _batchnorm_statistics_kept(module: nn.Module) -> Iterator[None]:
-    """Run `module`, then put its BatchNorm running statistics back as they were before.
+class BatchNormStatisticsKept:
+    """A context: what runs inside leaves `module`'s BatchNorm running statistics (mean, var,
+    num_batches_tracked) as they were on entering. Reusable: split backward (zero-bubble pipeline
+    schedules: an input-gradient pass, then a weight-gradient pass) recomputes a checkpointed block
+    twice, entering the same context each time.
 
     (Turning `track_running_stats` off instead would run a different batch-norm op than the forward being
     recomputed, which checkpointing rejects: it checks that the recomputation saves the same tensors.)"""
-    buffers = [
-        b for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()
-    ]
-    before = [b.clone() for b in buffers]
-    try:
-        yield
-    finally:
+
+    def __init__(self, module: nn.Module):
+        self.buffers = [
+            b for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()
+        ]
+        self.before: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self.before = [b.clone() for b in self.buffers]
+
+    def __exit__(self, *exc_info) -> None:
         with torch.no_grad():
-            for buffer, value in zip(buffers, before, strict=True):
+            for buffer, value in zip(self.buffers, self.before, strict=True):
                 buffer.copy_(value)
 
 
-def _recompute_contexts(block: nn.Module):
+def _recompute_contexts(block: nn.Module) -> tuple[contextlib.nullcontext, BatchNormStatisticsKept]:
     # The recomputed forward would update BatchNorm's running mean/var (and num_batches_tracked) a second
     # time each step; the first forward updates them as usual, the recomputation's update is undone.
-    return contextlib.nullcontext(), _batchnorm_statistics_kept(block)
+    return contextlib.nullcontext(), BatchNormStatisticsKept(block)
 
 
 class BlockModel(nn.Sequential):

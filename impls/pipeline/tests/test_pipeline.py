@@ -10,6 +10,7 @@ import torch
 
 from conftest import (
     PARITY_TOLERANCE,
+    batchnorm_args,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
     check_stopped_rank_is_named,
@@ -176,6 +177,70 @@ def test_gpipe_and_1f1b_equal_single_and_1f1b_holds_fewer_activations(single_ref
     # micro-batch's backward right after its forward.
     assert peaks["1f1b"][0] * 4 == peaks["gpipe"][0] > 0
     assert peaks["1f1b"][1] * 8 == peaks["gpipe"][1] > 0
+
+
+BATCHNORM_MICROBATCHES = 4  # resnet18's 6 blocks as 2 or 4 stages; M=4 suits every schedule at p = 2
+
+
+@pytest.fixture(scope="module")
+def single_batchnorm_reference(tmp_path_factory, single_train):
+    """single --grad-accum M on resnet18 (BatchNorm buffers): what every schedule must equal, buffers too."""
+    path = tmp_path_factory.mktemp("single-bn") / "final.pt"
+    single_train.main(
+        [*batchnorm_args(2), "--grad-accum", str(BATCHNORM_MICROBATCHES), "--save-final", str(path)]
+    )
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "schedule", ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev"]
+)
+def test_every_schedule_with_batchnorm_and_recompute_equals_single(
+    schedule, single_batchnorm_reference, tmp_path
+):
+    """resnet18 with --activation-checkpointing, 2 ranks: parameters and BatchNorm running statistics
+    bit-identical to single --grad-accum 4. Guards two defects: the stages' own shape inference ran an
+    extra train-mode forward at each session's first step (num_batches_tracked 5 for 4, running means off);
+    and split backward (the zero-bubble schedules: input gradients, then weight gradients) recomputes a
+    checkpointed block twice, which a one-shot recompute context could not be entered for."""
+    final = tmp_path / "final.pt"
+    options = ["--schedule", schedule, "--microbatches", str(BATCHNORM_MICROBATCHES)]
+    run_pp(2, [*batchnorm_args(2), *options, "--activation-checkpointing", "--save-final", str(final)])
+    saved = torch.load(final, weights_only=True)
+    assert saved["stem.1.num_batches_tracked"] == 2 * BATCHNORM_MICROBATCHES
+    assert max_relative_difference(saved, single_batchnorm_reference) == 0.0
+
+
+def test_a_resumed_batchnorm_run_equals_single(single_batchnorm_reference, tmp_path):
+    """A resumed session starts with a first step too: no extra forward there either."""
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--resume", "auto"]
+    args = [*batchnorm_args(2), "--schedule", "gpipe", "--microbatches", str(BATCHNORM_MICROBATCHES), *ckpt]
+    run_pp(2, [*args, "--steps", "1"])
+    run_pp(2, [*args, "--save-final", str(tmp_path / "final.pt")])
+    saved = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert max_relative_difference(saved, single_batchnorm_reference) == 0.0
+
+
+def test_a_stage_file_not_written_for_its_index_is_refused_in_one_line(tmp_path):
+    """Each index lists the sha256 of the stage files written with it: a stage file from another
+    checkpoint (a copy, or one left by a crash between the stage files and the index) is named by the
+    resume in one line, before any rank loads it; every file as written resumes."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--dataset", "synthetic", "--global-batch-size", "16", "--checkpoint-dir", str(ckpt)]
+    run_pp(2, [*args, "--steps", "4", "--checkpoint-every", "2"])
+    stage1 = ckpt / "step-00000004.pipeline-rank1.pt"
+    stage1.write_bytes((ckpt / "step-00000002.pipeline-rank1.pt").read_bytes())  # a readable stage file
+    refused = launch(2, "pipeline", [*TIMEOUT, *args, "--steps", "6", "--resume", "auto"], timeout=120)
+    assert refused.returncode != 0
+    assert (
+        refused.stderr.count(f"pipeline: error: checkpoint file {stage1} is missing or not the one written")
+        == 1
+    )
+    assert 'train.py", line' not in refused.stderr  # no rank's traceback
+    stage1.unlink()
+    (ckpt / "step-00000004.pt").unlink()  # the set at step 2 is whole: resumed from
+    resumed = run_pp(2, [*args, "--steps", "6", "--resume", "auto"])
+    assert "resumed from" in resumed.stdout and "step-00000002.pt at step 2" in resumed.stdout
 
 
 @pytest.mark.parametrize(
