@@ -1,8 +1,10 @@
 """Bad input: one line on stderr, exit code 2, before any training (or any process) starts."""
 
+import functools
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, run_script
 from distref.config import parse_config
@@ -120,3 +122,77 @@ def test_defaults_yield_to_the_users_options():
     ]
     assert with_defaults({"--steps": "5"}, ["--epochs", "1"]) == ["--epochs", "1"]
     assert with_defaults(defaults, []) == ["--model", "lenet", "--epochs", "2", "--out", "runs/x"]
+
+
+# ---- every impl, the same table: bad input is one line and exit code 2 before any process group ----
+
+IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
+# (impls it applies to, or None for all; the bad options; what the line says). {file} and {dir} are an
+# existing file and folder: their contents must survive.
+BAD_IN_EVERY_IMPL = [
+    (None, ["--weight-decay", "-1"], "argument --weight-decay: must be >= 0, got -1"),
+    (None, ["--seed", "-1"], "argument --seed: must be in [0, 2**32 - 1], got -1"),
+    (None, ["--seed", "4294967296"], "argument --seed: must be in [0, 2**32 - 1], got 4294967296"),
+    (None, ["--global-batch-size", "32768"], "is larger than the synthetic training set"),
+    (None, ["--out", "{file}"], "--out {file}: not a directory"),
+    (None, ["--checkpoint-dir", "{file}"], "--checkpoint-dir {file}: not a directory"),
+    (
+        None,
+        ["--save-final", "{file}/final.pt"],
+        "--save-final {file}/final.pt: its folder {file}: not a directory",
+    ),
+    (None, ["--save-final", "{dir}"], "--save-final {dir}: a directory; give a file name"),
+    (["deepspeed_zero"], ["--bucket-mb", "0"], "argument --bucket-mb: must be > 0, got 0"),
+    (["deepspeed_zero"], ["--bucket-mb", "-1"], "argument --bucket-mb: must be > 0, got -1"),
+    (
+        ["model_parallel"],
+        ["--devices", "cpu,cpu", "--nproc-per-node", "4", "--max-restarts", "3"],
+        "--nproc-per-node and --max-restarts start ranks, but --devices cpu,cpu is one process",
+    ),
+]
+BAD_CASES = [
+    pytest.param(impl, args, message, id=f"{impl}-{'-'.join(args)}")
+    for impl in IMPLS
+    for impls, args, message in BAD_IN_EVERY_IMPL
+    if impls is None or impl in impls
+]
+
+
+@functools.cache
+def train_module(impl: str):
+    from conftest import load_train_module
+
+    return load_train_module(impl)
+
+
+class Started(AssertionError):
+    """Bad input got as far as loading data, starting ranks or a process group."""
+
+
+@pytest.mark.parametrize(("impl", "args", "message"), BAD_CASES)
+def test_bad_input_is_one_line_before_any_process_group_in_every_impl(
+    impl, args, message, tmp_path, monkeypatch, capsys
+):
+    """Each impl's main(), in this process, with what would start work replaced by an error: the bad
+    value must stop it first, in one line with exit code 2, and leave what exists as it was."""
+    module = train_module(impl)
+
+    def started(*args, **kwargs):
+        raise Started(f"{impl} went on with bad input")
+
+    for name in ("launch_ranks", "load_dataset"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, started)
+    monkeypatch.setattr(torch.distributed, "init_process_group", started)
+    existing = tmp_path / "record.json"
+    existing.write_text("kept")
+    paths = {"file": str(existing), "dir": str(tmp_path)}
+    own_model = ["--model", "gpt"] if impl == "tensor_parallel" else []  # made for gpt
+    argv = [*own_model, "--dataset", "synthetic", *(a.format(**paths) for a in args)]
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{impl}/train.py: error: "), err
+    assert message.format(**paths) in err
+    assert existing.read_text() == "kept"

@@ -1,6 +1,7 @@
 """The comparison runner and report: built from small real runs, refusing to mix workloads."""
 
 import json
+import re
 import shutil
 import struct
 import sys
@@ -205,6 +206,50 @@ def test_different_workloads_are_not_compared_side_by_side(compared, tmp_path):
     assert "These runs are different workloads" in report
     assert report.splitlines()[0] == "# distref comparison: mixed workloads"  # not the first run's settings
     assert "> - ddp ×2: lenet on synthetic, 12 steps, global batch 64" in report
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("gpt_layers", 6, "--gpt-layers: single ×1=2, ddp ×2=6"),
+        ("lr_schedule", "constant", "--lr-schedule: single ×1=cosine, ddp ×2=constant"),
+        ("weight_decay", 0.1, "--weight-decay: single ×1=0.0, ddp ×2=0.1"),
+    ],
+)
+def test_every_option_that_defines_a_run_defines_the_workload(compared, tmp_path, key, value, shown):
+    """The report's workload is what the resume check calls one run (one list, RUN_DEFINING_OPTIONS),
+    plus its length: e.g. gpt of 2 and of 6 layers are not one workload."""
+    from distref.checkpoint import MUST_MATCH
+    from distref.report import WORKLOAD_KEYS
+
+    assert set(MUST_MATCH) <= set(WORKLOAD_KEYS)
+    out, _ = compared
+    other = tmp_path / "other"
+    shutil.copytree(out / "ddp", other)
+    record = json.loads((other / "record.json").read_text())
+    record["config"][key] = value
+    (other / "record.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match=f"different workloads.*{re.escape(shown)}"):
+        build_report([out / "single", other], tmp_path / "refused")
+
+
+def test_a_text_file_is_part_of_the_workload_and_a_dataset_folder_is_not(compared, tmp_path):
+    out, _ = compared
+    for dataset, root, refused in [("mnist", "/elsewhere", False), ("text", "/other.txt", True)]:
+        runs = []
+        for name, data_root in [("single", "/data"), ("ddp", root)]:
+            shutil.copytree(out / name, tmp_path / dataset / name)
+            record = json.loads((tmp_path / dataset / name / "record.json").read_text())
+            record["config"].update(dataset=dataset, data_root=data_root)
+            (tmp_path / dataset / name / "record.json").write_text(json.dumps(record))
+            runs.append(tmp_path / dataset / name)
+        if refused:
+            with pytest.raises(
+                SystemExit, match=re.escape("--data-root: single ×1=/data, ddp ×2=/other.txt")
+            ):
+                build_report(runs, tmp_path / f"report-{dataset}")
+        else:
+            assert build_report(runs, tmp_path / f"report-{dataset}").exists()
 
 
 def test_a_failed_strategy_appears_with_its_error(compared, tmp_path):

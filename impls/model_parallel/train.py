@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__,
         distributed=True,
         splits_batch=False,  # --- MODEL PARALLEL: every part sees the whole batch
+        one_process=lambda cfg: cfg.extra["devices"] and f"--devices {cfg.extra['devices']} is one process",
     )
     # --- MODEL PARALLEL: one process per part (launched here from plain python, as ddp does), or with
     # --devices one process driving a part per device. `links` names the neighbouring ranks.

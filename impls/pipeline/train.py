@@ -333,7 +333,11 @@ def evaluate_stages(
 
 @torch.no_grad()
 def stage_examples(
-    model: BlockModel, bounds: list[tuple[int, int]], example: torch.Tensor, cfg: RunConfig, device: torch.device
+    model: BlockModel,
+    bounds: list[tuple[int, int]],
+    example: torch.Tensor,
+    cfg: RunConfig,
+    device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each stage's input and output for one micro-batch `example` (their shapes and dtypes are what
     count), from one forward of the whole model on this rank. Given to PipelineStage, they spare it its

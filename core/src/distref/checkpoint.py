@@ -23,25 +23,14 @@ from typing import Any
 
 import torch
 
-from distref.config import RunConfig, is_first_rank
+from distref.config import RUN_DEFINING_OPTIONS, RunConfig, is_first_rank
 from distref.training import at_least_fp32, lr_factor
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
-# Options that fix the model, the data order or the optimizer's trajectory: a checkpoint cannot continue a
-# run that differs in any of them. (A new --lr or --weight-decay would otherwise be overridden by the
-# optimizer state in the checkpoint while the record claimed it.)
-MUST_MATCH = (
-    "model",
-    "gpt_layers",
-    "dataset",
-    "global_batch_size",
-    "seed",
-    "optimizer",
-    "lr",
-    "lr_schedule",
-    "weight_decay",
-    "precision",
-)
+# A checkpoint cannot continue a run that differs in any option that defines it. (A new --lr or
+# --weight-decay would otherwise be overridden by the optimizer state in the checkpoint while the record
+# claimed it.)
+MUST_MATCH = RUN_DEFINING_OPTIONS
 NOT_COMPARED = ("resume",)  # how this session was started, not what the run is
 
 

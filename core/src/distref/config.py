@@ -65,6 +65,24 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+# The options that define a run: the model, the data and its order, and the optimizer's trajectory. A
+# checkpoint continues only a run equal in all of them (distref.checkpoint), and a report compares only
+# runs equal in all of them, plus the run's length and data files (distref.report): one list, so the two
+# cannot drift apart.
+RUN_DEFINING_OPTIONS = (
+    "model",
+    "gpt_layers",
+    "dataset",
+    "global_batch_size",
+    "seed",
+    "optimizer",
+    "lr",
+    "lr_schedule",
+    "weight_decay",
+    "precision",
+)
+
+
 def is_first_rank() -> bool:
     """Rank 0 under torchrun, or a process that is no rank: the one that speaks for the job when every
     rank meets the same problem (bad arguments, a diverged loss, an unreadable checkpoint)."""
@@ -94,7 +112,25 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit unsigned
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32 - 1], got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (impls use it for their own options too)."""
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
@@ -171,7 +207,7 @@ def build_parser(
         default=64,
         help="samples per optimizer step, whatever the world size and --grad-accum",
     )
-    p("--lr", metavar="LR", type=_positive_float, default=2e-3, help="peak learning rate")
+    p("--lr", metavar="LR", type=positive_float, default=2e-3, help="peak learning rate")
     p("--optimizer", choices=("sgd", "adamw"), default="adamw", help="sgd has momentum 0.9")
     p(
         "--lr-schedule",
@@ -179,8 +215,14 @@ def build_parser(
         default="cosine",
         help="cosine: from --lr to 0 over the run",
     )
-    p("--weight-decay", metavar="WD", type=float, default=0.0, help="decoupled (AdamW) or L2 (SGD)")
-    p("--seed", metavar="SEED", type=int, default=0, help="initial parameters and data order")
+    p(
+        "--weight-decay",
+        metavar="WD",
+        type=_non_negative_float,
+        default=0.0,
+        help="decoupled (AdamW) or L2 (SGD)",
+    )
+    p("--seed", metavar="SEED", type=_seed, default=0, help="initial parameters and data order")
     p(
         "--precision",
         choices=("fp32", "bf16", "fp16", "fp64"),
@@ -259,7 +301,7 @@ def build_parser(
         q(
             "--timeout",
             metavar="SECONDS",
-            type=_positive_float,
+            type=positive_float,
             default=600.0,
             help="seconds a collective may wait before failing",
         )
@@ -290,13 +332,16 @@ def parse_config(
     description: str | None = None,
     distributed: bool = False,
     splits_batch: bool = True,
+    one_process: Callable[[RunConfig], str | None] | None = None,
 ) -> RunConfig:
     """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2.
 
     `world_size` defaults to 1, or for a `distributed` impl to torchrun's WORLD_SIZE under torchrun and
     to the ranks `--nproc-per-node` asks for otherwise (the launcher validates before starting any).
     `splits_batch=False` is for impls whose ranks all see the whole batch (model parallel): the global
-    batch then only has to divide into --grad-accum micro-batches."""
+    batch then only has to divide into --grad-accum micro-batches. `one_process` says why a run of a
+    `distributed` impl is one process after all (model_parallel --devices), or None: the launcher options
+    that would start ranks are then refused, not ignored."""
     parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
@@ -313,6 +358,9 @@ def parse_config(
             )
         world_size = int(os.environ["WORLD_SIZE"])
     elif world_size is None and distributed:
+        given = [f"--{k.replace('_', '-')}" for k in LAUNCH_OPTIONS if launch[k]]
+        if given and one_process is not None and (why := one_process(cfg)):
+            parser.error(f"{' and '.join(given)} start ranks, but {why}: drop {' and '.join(given)}")
         world_size = launch["nproc_per_node"] or default_ranks(cfg)
         cfg.extra.update(nproc_per_node=world_size, max_restarts=launch["max_restarts"])
     shards = (world_size or 1) if splits_batch else 1
@@ -333,16 +381,28 @@ def default_ranks(cfg: RunConfig) -> int:
 ROOTED_DATASETS = ("mnist", "fashion-mnist", "cifar10")  # kept as files in a folder under --data-root
 
 
-def data_root_problem(root: Path) -> str | None:
-    """A dataset folder must be a folder, or one that can be created (the dataset is then prepared in it)."""
-    if root.exists():
-        return None if root.is_dir() else f"--data-root {root}: not a directory"
-    parent = next(p for p in root.absolute().parents if p.exists())  # the nearest existing ancestor
+def folder_problem(option: str, folder: Path, writes: bool = True) -> str | None:
+    """A folder the run writes (--out, --checkpoint-dir) must be a writable folder, or one that can be
+    created: said now, not when the first file is written. --data-root (`writes=False`) may be a
+    read-only folder that holds the dataset already; a missing one is created and the dataset prepared."""
+    if folder.exists():
+        if not folder.is_dir():
+            return f"{option} {folder}: not a directory"
+        return f"{option} {folder}: not writable" if writes and not os.access(folder, os.W_OK) else None
+    parent = next(p for p in folder.absolute().parents if p.exists())  # the nearest existing ancestor
     if not parent.is_dir():
-        return f"--data-root {root}: {parent} is not a directory"
+        return f"{option} {folder}: {parent} is not a directory"
     if not os.access(parent, os.W_OK):
-        return f"--data-root {root}: does not exist and cannot be created ({parent} is not writable)"
+        return f"{option} {folder}: does not exist and cannot be created ({parent} is not writable)"
     return None
+
+
+def file_problem(option: str, file: Path) -> str | None:
+    """A file the run writes at its end (--save-final): a name in a folder it can write, checked before a
+    run trains for hours to find it cannot."""
+    if file.is_dir():
+        return f"{option} {file}: a directory; give a file name"
+    return folder_problem(f"{option} {file}: its folder", file.parent)
 
 
 def uses_cuda(cfg: RunConfig) -> bool:
@@ -369,8 +429,21 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
         )
     if cfg.dataset == "text" and not Path(cfg.data_root).is_file():
         return f"--dataset text needs --data-root to be a text file; {cfg.data_root!r} is not a file"
-    if cfg.dataset in ROOTED_DATASETS and (problem := data_root_problem(Path(cfg.data_root))):
+    data_root = Path(cfg.data_root)
+    if cfg.dataset in ROOTED_DATASETS and (problem := folder_problem("--data-root", data_root, writes=False)):
         return problem
+    for option, folder in (("--out", cfg.out), ("--checkpoint-dir", cfg.checkpoint_dir)):
+        if folder and (problem := folder_problem(option, Path(folder))):
+            return problem
+    if cfg.save_final and (problem := file_problem("--save-final", Path(cfg.save_final))):
+        return problem
+    from distref.data import train_set_size  # (it imports this module)
+
+    if cfg.global_batch_size > (samples := train_set_size(cfg)):
+        return (
+            f"--global-batch-size {cfg.global_batch_size} is larger than the {cfg.dataset} training set "
+            f"({samples} samples): one step would need more samples than there are"
+        )
     needs_torchvision = cfg.dataset in ROOTED_DATASETS or cfg.model == "resnet18"
     if needs_torchvision and importlib.util.find_spec("torchvision") is None:
         what = f"--model {cfg.model}" if cfg.model == "resnet18" else f"--dataset {cfg.dataset}"

@@ -401,6 +401,11 @@ def load_cifar10(root: Path, download: bool = True):
     )
 
 
+# Training samples of the datasets whose size is known before loading them.
+TRAIN_SET_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "digits": 1437}
+SYNTHETIC_TRAIN_SIZES = {"image": 8192, "sequence": 20000}
+
+
 def load_digits_dataset():
     """scikit-learn's 8×8 digits (bundled, no network), upsampled to 28×28; fixed 80/20 split."""
     import torch.nn.functional as F
@@ -422,7 +427,12 @@ def load_digits_dataset():
     )
 
 
-def synthetic_images(shape: tuple[int, ...], n_train: int = 8192, n_test: int = 2048, num_classes: int = 10):
+def synthetic_images(
+    shape: tuple[int, ...],
+    n_train: int = SYNTHETIC_TRAIN_SIZES["image"],
+    n_test: int = 2048,
+    num_classes: int = 10,
+):
     """Noisy class prototypes: learnable in a few hundred steps, independent of the run's seed."""
     g = torch.Generator().manual_seed(1234)
     prototypes = torch.randn(num_classes, *shape, generator=g)
@@ -437,7 +447,7 @@ def synthetic_images(shape: tuple[int, ...], n_train: int = 8192, n_test: int = 
 SEPARATOR = 10  # token between a digit string and its reversal
 
 
-def synthetic_reverse(length: int = 8, n_train: int = 20000, n_test: int = 2000):
+def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["sequence"], n_test: int = 2000):
     """Sequence task for `gpt`: read `length` digits and a separator, then emit them reversed.
 
     Only the reversed half is scored (prompt targets are IGNORE_INDEX), so token accuracy measures the
@@ -456,6 +466,21 @@ def synthetic_reverse(length: int = 8, n_train: int = 20000, n_test: int = 2000)
     return make(n_train), make(n_test), DatasetInfo("synthetic", SEPARATOR + 1, (2 * length,), "sequence")
 
 
+def text_train_size(n_characters: int, block_size: int = 64) -> int:
+    """Training sequences a text of `n_characters` makes: whole blocks, the first 90% of them."""
+    return int(0.9 * ((n_characters - 1) // block_size))
+
+
+def train_set_size(cfg: RunConfig) -> int:
+    """Samples in the run's training set, known without loading it (the text file is read, not
+    tokenised): the config checks the global batch against it before any process starts."""
+    if cfg.dataset == "synthetic":
+        return SYNTHETIC_TRAIN_SIZES["sequence" if cfg.model == "gpt" else "image"]
+    if cfg.dataset == "text":
+        return text_train_size(len(Path(cfg.data_root).read_text(encoding="utf-8", errors="replace")))
+    return TRAIN_SET_SIZES[cfg.dataset]
+
+
 def load_text(path: Path, block_size: int = 64):
     """Character-level language modelling on any local text file; first 90% train, last 10% test."""
     try:
@@ -472,7 +497,7 @@ def load_text(path: Path, block_size: int = 64):
     window = starts[:, None] + torch.arange(block_size + 1)
     chunks = tokens[window]
     x, y = chunks[:, :-1], chunks[:, 1:]
-    cut = int(0.9 * n_chunks)
+    cut = text_train_size(len(tokens), block_size)
     info = DatasetInfo("text", len(vocab), (block_size,), "sequence")
     return TensorData(x[:cut], y[:cut]), TensorData(x[cut:], y[cut:]), info
 

@@ -21,23 +21,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from distref.config import RUN_DEFINING_OPTIONS, RunConfig
 from distref.parity import max_relative_difference
 from distref.record import load_record
 
-# Options that define the workload: two runs can only be compared if these are equal.
-WORKLOAD_KEYS = (
-    "model",
-    "dataset",
-    "global_batch_size",
-    "seed",
-    "optimizer",
-    "lr",
-    "weight_decay",
-    "precision",
-    "epochs",
-    "steps",
-    "target_accuracy",
-)
+# Options that define the workload: two runs are compared only if these are equal. What defines a run
+# (as for resuming it), its length and target, and the data file of --dataset text (the other datasets
+# are named by --dataset alone: MNIST and Fashion-MNIST are md5-checked wherever they lie).
+WORKLOAD_KEYS = (*RUN_DEFINING_OPTIONS, "epochs", "steps", "target_accuracy", "data_root")
+
+
+def workload_value(cfg: dict[str, Any], key: str) -> Any:
+    """What `key` says about the workload of a run with options `cfg` (a record's "config")."""
+    if key == "data_root" and cfg.get("dataset") != "text":
+        return None  # the folder a dataset lies in is not part of the workload
+    return cfg.get(key, RunConfig.__dataclass_fields__[key].default)  # older records: the default then
 
 
 TARGET_NOTE = (
@@ -145,9 +143,11 @@ def load_runs(paths: Sequence[str | Path]) -> list[Run]:
 
 def describe_workload(cfg: dict[str, Any]) -> str:
     length = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg.get('epochs')} epoch(s)"
+    model = f"gpt ({workload_value(cfg, 'gpt_layers')} layers)" if cfg["model"] == "gpt" else cfg["model"]
     return (
-        f"{cfg['model']} on {cfg['dataset']}, {length}, global batch {cfg['global_batch_size']}, "
-        f"{cfg['optimizer']} lr {cfg['lr']}, {cfg['precision']}, seed {cfg['seed']}"
+        f"{model} on {cfg['dataset']}, {length}, global batch {cfg['global_batch_size']}, "
+        f"{cfg['optimizer']} lr {cfg['lr']} {workload_value(cfg, 'lr_schedule')}, {cfg['precision']}, "
+        f"seed {cfg['seed']}"
     )
 
 
@@ -161,7 +161,7 @@ def workload_differences(runs: list[Run]) -> list[str]:
     count too: one run with 2 threads beside another with 1 compares the thread pools, not the strategies."""
     lines = []
     for key in WORKLOAD_KEYS:
-        values = {run.label: run.record["config"].get(key) for run in runs}
+        values = {run.label: workload_value(run.record["config"], key) for run in runs}
         if len(set(map(repr, values.values()))) > 1:
             lines.append(f"--{key.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     threads = {run.label: run.record["environment"].get("threads_per_rank") for run in runs}
