@@ -59,6 +59,81 @@ def test_record_follows_its_schema(single_train, tmp_path):
     assert record["config"]["global_batch_size"] == 32 and record["environment"]["backend"] == "none"
 
 
+class FakeClock:
+    """time.perf_counter for distref.record, moved by hand."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_start_up_training_and_wall_time_are_three_clocks_summed_over_sessions(tmp_path, monkeypatch):
+    """Wall time from the process's start; start-up from there to the first step; the run's clock (evals,
+    time to target) from the first step, as MLPerf's; each summed over resumed sessions."""
+    import distref.config
+    import distref.record as rec
+
+    clock = FakeClock(10.0)
+    monkeypatch.setattr(rec.time, "perf_counter", clock)
+    monkeypatch.setattr(rec, "seconds_since_process_start", lambda: 4.0)  # the process began at 6
+    monkeypatch.setattr(distref.config, "PARSE_TIMES", [])
+    monkeypatch.setattr(rec, "PARSE_TIMES", distref.config.PARSE_TIMES)
+    cfg = parse_config(["--dataset", "synthetic", "--target-accuracy", "0.5"], "single")
+    record = rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none")
+    clock.now = 13.0
+    record.start_training()  # start-up: 13 - 6
+    clock.now = 20.0
+    record.add_eval(5, 0.1, 0.6, 1.0, 1.5)
+    state = record.state()
+    assert (record.data["startup_time_s"], record.data["evals"][0]["elapsed_s"]) == (7.0, 7.0)
+    assert record.data["time_to_target_s"] == 7.0  # from the first step, start-up left out
+    assert (state["startup_s"], state["wall_s"], state["elapsed_s"]) == (7.0, 14.0, 7.0)
+    # A second session: a new process (started 2 s before its record), resumed from that state.
+    distref.config.PARSE_TIMES.clear()
+    clock.now = 100.0
+    monkeypatch.setattr(rec, "seconds_since_process_start", lambda: 2.0)
+    resumed = rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none")
+    resumed.load_state({"record": state, "step": 5, "changes": {}}, tmp_path / "step.pt")
+    clock.now = 101.0
+    resumed.start_training()
+    clock.now = 104.0
+    resumed.add_eval(10, 0.2, 0.7, 0.9, 1.0)
+    resumed.write()
+    assert resumed.data["startup_time_s"] == 7.0 + 3.0
+    assert resumed.data["evals"][1]["elapsed_s"] == 7.0 + 3.0
+    assert resumed.data["wall_time_s"] == 14.0 + 6.0
+    # main() run again in one process (tests, notebooks): its run starts when its options were parsed.
+    clock.now = 200.0
+    monkeypatch.setattr(rec.time, "perf_counter", FakeClock(200.0))
+    distref.config.PARSE_TIMES[:] = [50.0, 190.0]
+    assert rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 10.0
+
+
+def test_a_run_s_wall_time_counts_its_start_up_from_the_process_start(tmp_path):
+    """`python train.py`: start-up (interpreter, imports, data, model) is in the record, and wall time
+    is everything the process ran: at least start-up + training + evaluation, at most what was seen
+    from outside."""
+    import sys
+    import time
+
+    from conftest import ROOT, run_script
+
+    started = time.perf_counter()
+    result = run_script(
+        [sys.executable, str(ROOT / "impls/single/train.py"), *FAST, "--steps", "5", "--out", str(tmp_path)]
+    )
+    seen = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = load_record(tmp_path)
+    parts = record["startup_time_s"] + record["train_time_s"] + record["eval_time_s"]
+    assert parts <= record["wall_time_s"] <= seen
+    # Most of what was seen is start-up (torch's import alone takes seconds), not a few milliseconds.
+    assert record["startup_time_s"] >= 0.5 * (seen - record["train_time_s"] - record["eval_time_s"])
+    assert f"(start-up {record['startup_time_s']:.1f}s)" in result.stdout
+
+
 def test_failed_run_leaves_a_failed_record(single_train, tmp_path, monkeypatch):
     out = tmp_path / "run"
 

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     pending_times: list[float] = []
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     try:
         with profiler(cfg, rank=0) as prof:
             for step in range(start_step, n_steps):

@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     compute_dtype = next(engine.module.parameters()).dtype  # --- ZERO: bf16/fp16 params under those
 
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     try:
         with profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
             for step in range(start_step, n_steps):

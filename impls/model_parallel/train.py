@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     last_rank = world_size - 1  # --- MODEL PARALLEL: the rank with the last part has the loss
     session_train_s = 0.0  # and the time this session trained, for each rank's busy fraction
 
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     try:
         with profiler(cfg, rank=rank) as prof:  # --- MODEL PARALLEL: one trace per rank
             for step in range(start_step, n_steps):

@@ -529,6 +529,7 @@ def main(argv: list[str] | None = None) -> dict:
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     schedule_s = 0.0  # --- PIPELINE: time in the schedule from the second step on (the first warms up)
 
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     try:
         with profiler(cfg, rank=rank) as prof:  # --- PIPELINE: one trace per rank
             for step in range(start_step, n_steps):

@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- TP: the cross-entropy on vocabulary-split logits, and its backward, run inside this context
     parallel_loss = loss_parallel if cfg.extra["loss_parallel"] else contextlib.nullcontext
 
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     try:
         with profiler(cfg, rank=rank) as prof:  # --- TP: one trace per rank
             for step in range(start_step, n_steps):

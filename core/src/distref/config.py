@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -323,6 +324,9 @@ def with_defaults(defaults: dict[str, str], args: Sequence[str]) -> list[str]:
     return [*kept, *args]
 
 
+PARSE_TIMES: list[float] = []  # time.perf_counter() at each parse_config call in this process
+
+
 def parse_config(
     argv: Sequence[str] | None,
     impl: str,
@@ -342,6 +346,7 @@ def parse_config(
     batch then only has to divide into --grad-accum micro-batches. `one_process` says why a run of a
     `distributed` impl is one process after all (model_parallel --devices), or None: the launcher options
     that would start ranks are then refused, not ignored."""
+    PARSE_TIMES.append(time.perf_counter())  # a run begins (the record's start-up counts from here on)
     parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from distref.config import RunConfig
+from distref.config import PARSE_TIMES, RunConfig
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
@@ -43,6 +43,31 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+_IMPORTED_AT = time.perf_counter()
+
+
+def run_start() -> float:
+    """When this run started, in time.perf_counter(): the process's start for the first run of a process
+    (`python train.py`, each torchrun rank: the interpreter and imports count), else the parse_config
+    call that began it (main() called again in one process: tests, notebooks)."""
+    if len(PARSE_TIMES) > 1:
+        return PARSE_TIMES[-1]
+    return time.perf_counter() - seconds_since_process_start()
+
+
+def seconds_since_process_start() -> float:
+    """How long this process has run: from its start time in /proc (Linux: clock ticks after boot, beside
+    the uptime), so that start-up counts the interpreter, imports and all; elsewhere since this module
+    was imported."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(after_name[19])  # field 22, starttime; the fields after the name start at 3
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT
 
 
 def cpu_name() -> str:
@@ -113,18 +138,34 @@ class RunRecord:
             "time_to_target_s": None,
             "final_accuracy": None,
             "resumes": [],
+            "startup_time_s": None,
             "wall_time_s": 0.0,
             "started_at": _now(),
             "finished_at": None,
         }
-        self._elapsed_before = 0.0  # seconds spent in earlier sessions of a resumed run
-        self._session_start = time.perf_counter()
+        # Three clocks, each summed over the sessions of a resumed run. Wall time runs from the run's start
+        # (the process's: run_start); start-up from there to the first step (imports, data, model,
+        # process group, engine); the run's clock (evaluations' elapsed_s, time to target) from the
+        # first step on, as MLPerf's starts at the end of initialisation. start_training() divides them.
+        self._run_start = run_start()
+        self._wall_before = self._elapsed_before = self._startup_before = 0.0
+        self._session_start = self._run_start  # until start_training()
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
 
     # -- time ---------------------------------------------------------------------------------------
+    def start_training(self) -> None:
+        """Set-up is done and the first step of this session begins: start-up ends, the run's clock starts."""
+        self._session_start = time.perf_counter()
+        self.data["startup_time_s"] = self._startup_before + self._session_start - self._run_start
+
     def elapsed(self) -> float:
+        """The run's clock: seconds since the first step, summed over sessions (start-ups left out)."""
         return self._elapsed_before + time.perf_counter() - self._session_start
+
+    def wall_time(self) -> float:
+        """Seconds since the process started, summed over sessions (start-ups included)."""
+        return self._wall_before + time.perf_counter() - self._run_start
 
     # -- measurements -------------------------------------------------------------------------------
     def add_steps(self, first_step: int, losses: list[float], step_times: list[float]) -> None:
@@ -191,7 +232,7 @@ class RunRecord:
         self.write()
 
     def write(self) -> Path | None:
-        self.data["wall_time_s"] = self.elapsed()
+        self.data["wall_time_s"] = self.wall_time()
         self.data["finished_at"] = _now()
         if not self.out:
             return None
@@ -211,6 +252,8 @@ class RunRecord:
             "final_accuracy": self.data["final_accuracy"],
             "resumes": list(self.data["resumes"]),
             "elapsed_s": self.elapsed(),
+            "startup_s": self.data["startup_time_s"] or 0.0,
+            "wall_s": self.wall_time(),
             "started_at": self.data["started_at"],
         }
 
@@ -227,8 +270,10 @@ class RunRecord:
             {"step": checkpoint["step"], "checkpoint": str(path), "changes": checkpoint["changes"]},
         ]
         self._time_to_target()
+        # (Checkpoints before core 0.7.0 kept the run's clock alone, start-ups included.)
         self._elapsed_before = float(state["elapsed_s"])
-        self._session_start = time.perf_counter()
+        self._startup_before = float(state.get("startup_s", 0.0))
+        self._wall_before = float(state.get("wall_s", state["elapsed_s"]))
         if self.out:  # steps logged after the checkpoint by the interrupted session are dropped
             with open(self.out / "steps.jsonl", "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in self.data["steps"])
@@ -256,6 +301,8 @@ def print_summary(data: dict[str, Any], file=None) -> None:
         f"peak mem {max(data['peak_memory_bytes'] or [0]) / 2**20:,.0f} MiB/rank",
         f"wall {data['wall_time_s']:.1f}s",
     ]
+    if data.get("startup_time_s") is not None:
+        parts[-1] += f" (start-up {data['startup_time_s']:.1f}s)"
     if data.get("skipped_steps"):
         parts.append(f"{len(data['skipped_steps'])} steps skipped (fp16 overflow)")
     if data["target_accuracy"] is not None:
