@@ -92,9 +92,16 @@ def measured(what: str, seconds: float) -> None:
         _current_test[0].user_properties.append((what, round(seconds, 1)))
 
 
+def fault_test_impl(nodeid: str) -> str:
+    """The impl a fault test is about (impls/<impl>/tests/...), or "core" (the run contract's own)."""
+    parts = nodeid.split("/")
+    return parts[1] if parts[0] == "impls" else "core"
+
+
 def pytest_terminal_summary(terminalreporter, config):
-    """With `-m faults`: one row per fault test, its expected behaviour (the docstring's first line),
-    outcome and measured times. (Both travel in the reports' user_properties: xdist workers send them.)"""
+    """With `-m faults`: one row per fault test: the impl, the fault, its expected behaviour (the test's
+    docstring, first sentence; core/tests/test_faults_table.py keeps every fault test documented),
+    outcome and measured times. (They travel in the reports' user_properties: xdist workers send them.)"""
     if "faults" not in (config.getoption("markexpr") or ""):
         return
     rows = []
@@ -104,22 +111,27 @@ def pytest_terminal_summary(terminalreporter, config):
                 continue
             properties = dict(report.user_properties)
             name = report.nodeid.split("::")[-1]
-            expected = properties.pop("expected", "") or name
+            expected = properties.pop("expected", "")
             times = (
                 ", ".join(f"{k} {v:g} s" for k, v in properties.items()) or f"{report.duration:.0f} s (test)"
             )
-            rows.append(f"| `{name}` | {expected} | {outcome} | {times} |")
-    terminalreporter.write_line("\n| fault test | expected behaviour | outcome | measured |")
-    terminalreporter.write_line("|---|---|---|---|")
+            rows.append(f"| {fault_test_impl(report.nodeid)} | `{name}` | {expected} | {outcome} | {times} |")
+    terminalreporter.write_line("\n| impl | fault test | expected behaviour | outcome | measured |")
+    terminalreporter.write_line("|---|---|---|---|---|")
     for row in sorted(rows):
         terminalreporter.write_line(row)
+
+
+def expected_behaviour(function) -> str:
+    """A fault test's expected behaviour: its docstring up to the first blank line, on one line."""
+    doc = (function.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(doc.split())
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("faults") and getattr(item, "function", None) is not None:
-            doc = (item.function.__doc__ or "").strip().splitlines()
-            item.user_properties.append(("expected", doc[0] if doc else ""))
+            item.user_properties.append(("expected", expected_behaviour(item.function)))
 
 
 def worker_pid(marker: str, rank: int, deadline: float) -> int:

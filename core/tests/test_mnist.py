@@ -39,6 +39,7 @@ def test_mnist_is_read_as_torchvision_reads_it_without_importing_torchvision(mni
 
 @pytest.mark.faults
 def test_tampered_file_is_refused(mnist_root, tmp_path):
+    """An MNIST file that is not the published one (one label changed): refused by its md5, in one line."""
     tampered_mnist(mnist_root, tmp_path)  # one label changed
     with pytest.raises(DataError, match="refusing to use it"):
         prepare_mnist(tmp_path)

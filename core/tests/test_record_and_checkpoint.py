@@ -149,6 +149,7 @@ def test_failed_run_leaves_a_failed_record(single_train, tmp_path, monkeypatch):
 
 @pytest.mark.faults
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    """A crash mid-write (disk full) leaves no file under a checkpoint's name; the previous one stays the newest."""
     good = ckpt.save_checkpoint(ckpt.checkpoint_path(tmp_path, 10), {"step": 10})
 
     def crash_mid_write(obj, f):
@@ -214,6 +215,7 @@ def test_resume_auto_starts_fresh_without_checkpoints(single_train, tmp_path):
 
 @pytest.mark.faults
 def test_checkpoint_from_another_run_is_refused(single_train, tmp_path, capsys):
+    """A checkpoint of another run (another --seed): refused in one line naming the option, exit code 2."""
     single_train.main([*FAST, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"])
     with pytest.raises(SystemExit) as exc:
         single_train.main(
@@ -376,6 +378,7 @@ def run_single_until_exit(single_train, args: list[str], capsys) -> tuple[int, s
 
 @pytest.mark.faults
 def test_unreadable_checkpoints_are_named_in_one_line_and_auto_falls_back(single_train, tmp_path, capsys):
+    """A truncated or corrupted checkpoint is named in one line; --resume auto falls back to the newest readable one."""
     ckpt_dir = tmp_path / "ckpt"
     args = [*FAST, "--steps", "12", "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "4"]
     single_train.main([*args, "--save-final", str(tmp_path / "straight.pt")])
@@ -409,6 +412,7 @@ def test_unreadable_checkpoints_are_named_in_one_line_and_auto_falls_back(single
 
 @pytest.mark.faults
 def test_a_diverged_run_stops_at_its_step_and_keeps_its_checkpoints(single_train, tmp_path, capsys):
+    """nan loss: the run stops in one line naming the step, exit code 1; its checkpoints and a failed record stay."""
     out, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
     args = [
         "--model",

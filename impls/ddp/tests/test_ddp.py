@@ -123,6 +123,7 @@ def test_powersgd_is_refused_on_cpu_before_training():
 
 @pytest.mark.faults
 def test_batch_not_divisible_by_world_size_is_one_line(tmp_path):
+    """A global batch the ranks cannot split: one line (rank 0's), before any process group."""
     result = launch(4, "ddp", ["--dataset", "synthetic", "--global-batch-size", "6"], timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("must be divisible by world size × --grad-accum = 4 × 1 = 4") == 1
@@ -153,6 +154,7 @@ def test_plain_python_starts_the_ranks_itself_with_the_same_result(single_refere
 
 @pytest.mark.faults
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
+    """Bad input to `python train.py`: one line, exit code 2, and no rank started."""
     result = python_train(["--nproc-per-node", "3", "--dataset", "synthetic", "--global-batch-size", "8"])
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1:] == [  # (torch may warn before it, where numpy is missing)
@@ -165,6 +167,7 @@ def test_plain_python_refuses_bad_input_before_starting_any_rank():
 
 @pytest.mark.faults
 def test_a_failing_rank_ends_the_job_in_one_line_naming_it(tmp_path):
+    """A rank that fails (a text file too short to train on): the job ends, exit code 1, one line naming the rank under its error."""
     too_short = tmp_path / "short.txt"
     too_short.write_text("too short to train on\n")
     args = ["--model", "gpt", "--dataset", "text", "--data-root", str(too_short), "--steps", "2"]
@@ -218,6 +221,7 @@ def test_static_graph_with_grad_accum_is_refused_in_one_line(capsys):
 
 @pytest.mark.faults
 def test_bad_data_root_is_one_line_before_any_process_group(tmp_path):
+    """A --data-root that cannot be a folder: one line, before any process group."""
     result = launch(2, "ddp", ["--data-root", "/etc/passwd/x"], timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("--data-root /etc/passwd/x: /etc/passwd is not a directory") == 1
@@ -325,6 +329,7 @@ ELASTIC = [
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
+    """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*SYNTHETIC, "--steps", "400", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly("ddp", ELASTIC, 400, tmp_path, single)
 

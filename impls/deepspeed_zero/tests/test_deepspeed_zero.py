@@ -119,6 +119,7 @@ ELASTIC += ["--resume", "auto", "--zero-stage", "3"]
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_resumes_exactly_and_the_checkpoint_converts_to_singles_state_dict(tmp_path):
+    """A SIGKILLed rank under --max-restarts 1: resumed bit-identical; DeepSpeed's converter turns the checkpoint into single's state_dict."""
     single = [*SYNTHETIC, "--steps", "200", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 200, tmp_path, single)
     # The last ZeRO-3 checkpoint (step 200, partitioned over 2 ranks) as one full fp32 state_dict, by
@@ -134,6 +135,7 @@ def test_killed_rank_resumes_exactly_and_the_checkpoint_converts_to_singles_stat
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
     check_killed_rank_ends_the_job(IMPL, ELASTIC, tmp_path)
 
 
@@ -146,6 +148,7 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
 
 @pytest.mark.faults
 def test_checkpoint_of_another_layout_or_altered_is_refused_in_one_line(tmp_path):
+    """A checkpoint of another ZeRO stage or world size, or with an altered file, is refused in one line before DeepSpeed reads it."""
     ckpt = tmp_path / "ckpt"
     args = [*SYNTHETIC, "--steps", "4", "--global-batch-size", "16", "--checkpoint-dir", str(ckpt)]
     run_zero(2, [*args, "--checkpoint-every", "2", "--zero-stage", "2"])
@@ -237,6 +240,7 @@ def test_missing_deepspeed_is_one_line(monkeypatch, capsys):
 
 @pytest.mark.faults
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
+    """Bad input to `python train.py`: one line, exit code 2, and no rank started."""
     result = self_launched(IMPL, ["--zero-stage", "5", "--dataset", "synthetic"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1:] == [

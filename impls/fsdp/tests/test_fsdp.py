@@ -161,6 +161,7 @@ ELASTIC += ["--resume", "auto", "--eval-every", "50"]
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_resumes_exactly(tmp_path):
+    """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*SYNTHETIC, "--steps", "100", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 100, tmp_path, single)
 
@@ -217,6 +218,7 @@ def test_fp16_is_refused_with_the_reason_even_where_cuda_would_take_it(monkeypat
 
 @pytest.mark.faults
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
+    """Bad input to `python train.py`: one line, exit code 2, and no rank started."""
     result = self_launched(IMPL, ["--hsdp", "3", "--dataset", "synthetic"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1:] == [

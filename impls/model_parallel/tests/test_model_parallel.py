@@ -154,6 +154,7 @@ def test_more_ranks_than_blocks_stops_before_any_rank_starts():
 
 @pytest.mark.faults
 def test_a_checkpoint_cut_elsewhere_is_refused(tmp_path):
+    """A checkpoint of the model cut at other blocks is refused in one line naming both cuts."""
     ckpt = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"]
     run_mp(
         [
@@ -202,6 +203,7 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
+    """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*ELASTIC[:10], "--global-batch-size", "32"]  # the same workload; parts sum as single does
     check_killed_rank_resumes_exactly("model_parallel", ELASTIC, 300, tmp_path, single)
 
@@ -209,6 +211,7 @@ def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
     check_killed_rank_ends_the_job("model_parallel", ELASTIC, tmp_path)
 
 

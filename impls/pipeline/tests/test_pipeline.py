@@ -221,6 +221,7 @@ def test_a_resumed_batchnorm_run_equals_single(single_batchnorm_reference, tmp_p
     assert max_relative_difference(saved, single_batchnorm_reference) == 0.0
 
 
+@pytest.mark.faults
 def test_a_stage_file_not_written_for_its_index_is_refused_in_one_line(tmp_path):
     """Each index lists the sha256 of the stage files written with it: a stage file from another
     checkpoint (a copy, or one left by a crash between the stage files and the index) is named by the
@@ -378,6 +379,7 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
+    """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*ELASTIC[:10], "--global-batch-size", "32", "--grad-accum", "4"]  # M = 4 micro-batches
     check_killed_rank_resumes_exactly("pipeline", ELASTIC, 300, tmp_path, single)
 
@@ -385,6 +387,7 @@ def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
+    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it; its checkpoint fits only its own layout of stages."""
     check_killed_rank_ends_the_job("pipeline", ELASTIC, tmp_path)
     # The checkpoint it left (zbv: rank 0 holds conv1 and fc2) fits only the same layout of stages.
     other = [*ELASTIC[: ELASTIC.index("--schedule")], *ELASTIC[ELASTIC.index("--schedule") + 2 :]]

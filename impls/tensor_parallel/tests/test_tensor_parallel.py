@@ -176,7 +176,8 @@ ELASTIC += ["--checkpoint-every", "5", "--resume", "auto", "--eval-every", "10"]
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_resumes_exactly(tmp_path):
-    # Compared with its own uninterrupted run: tensor parallelism sums otherwise than any single run.
+    """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends
+    bit-identical to its own uninterrupted run (tensor parallelism sums otherwise than any single run)."""
     check_killed_rank_resumes_exactly(IMPL, ELASTIC, 20, tmp_path, None)
 
 
@@ -242,6 +243,7 @@ def test_fp16_is_refused_with_the_reason_even_where_cuda_would_take_it(monkeypat
 
 @pytest.mark.faults
 def test_plain_python_refuses_bad_input_before_starting_any_rank():
+    """Bad input to `python train.py`: one line, exit code 2, and no rank started."""
     result = self_launched(IMPL, ["--dataset", "synthetic"], timeout=120)  # lenet, the run contract's default
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1:] == [
