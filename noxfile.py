@@ -65,17 +65,33 @@ def impl_launcher(impl: str) -> str:
     return impl_settings(impl).get("launcher", "python")
 
 
-def cuda_device_count(session: nox.Session) -> int:
-    return int(session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True))
+def answer(session: nox.Session, prefix: str, *command: str) -> str:
+    """The one line starting with `prefix` that `python -m distref.ranks ...` prints (torch may print
+    warnings around it, on stdout or stderr)."""
+    output = session.run("python", "-m", "distref.ranks", *command, silent=True)
+    return next(line for line in reversed(output.splitlines()) if line.startswith(prefix))[len(prefix) :]
+
+
+def cuda_gpus(session: nox.Session) -> int:
+    """The GPUs this venv's torch can train on (not only count: a driver too old for its CUDA build, or a
+    GPU without a kernel in it, gives 0); with none, the session skips and says why, or fails where
+    DISTREF_REQUIRE_GPU=1 (the GPU workflow: a skipped GPU session must not pass)."""
+    gpus, _, said = answer(session, "cuda_gpus=", "--cuda").partition(" ")
+    if int(gpus) == 0:
+        (session.error if os.environ.get("DISTREF_REQUIRE_GPU") == "1" else session.skip)(
+            f"{session.name}: {said}"
+        )
+    session.log(f"{session.name}: {said}")
+    return int(gpus)
 
 
 def run_impl(session: nox.Session, impl: str, device: str) -> None:
     install_core(session, "tqdm", "tensorboard", "scikit-learn", *impl_requirements(impl))
-    gpus = cuda_device_count(session)
-    if device == "cuda" and gpus == 0:
-        session.skip(f"{impl}-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
+    gpus = cuda_gpus(session) if device == "cuda" else 0
     if device == "cuda" and gpus < (needed := impl_settings(impl).get("min_gpus", 1)):
-        session.skip(f"{impl}-gpu: needs {needed} CUDA devices (one per part or rank), {gpus} visible")
+        (session.error if os.environ.get("DISTREF_REQUIRE_GPU") == "1" else session.skip)(
+            f"{impl}-gpu: needs {needed} CUDA devices (one per part or rank), {gpus} visible"
+        )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = ROOT / "runs" / f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}" / stamp
     defaults = {
@@ -88,8 +104,16 @@ def run_impl(session: nox.Session, impl: str, device: str) -> None:
     args = with_defaults(defaults, session.posargs)
     train = str(ROOT / "impls" / impl / "train.py")
     if impl_launcher(impl) == "torchrun":
-        # One process per GPU on CUDA; on CPU 2 ranks (gloo), or $DISTREF_CPU_RANKS.
-        nproc = gpus if device == "cuda" else int(os.environ.get("DISTREF_CPU_RANKS", "2"))
+        # On CUDA one rank per GPU, as many as the workload allows (lenet has 4 blocks to split; a batch
+        # of 64 does not split over 3); on CPU 2 ranks (gloo), or $DISTREF_CPU_RANKS.
+        if device == "cuda":
+            ranks, _, said = answer(
+                session, "world_size=", train, "--gpus", str(gpus), "--", *args
+            ).partition(" ")
+            session.log(f"{impl}-gpu: {said}")
+            nproc = int(ranks)
+        else:
+            nproc = int(os.environ.get("DISTREF_CPU_RANKS", "2"))
         session.run("torchrun", "--standalone", f"--nproc-per-node={nproc}", train, *args)
     else:
         session.run("python", train, *args)
@@ -124,8 +148,8 @@ for _impl in IMPLS:
 
 def _compare(session: nox.Session, device: str) -> None:
     install_core(session, "tqdm", "matplotlib", "scikit-learn", *impl_requirements(*IMPLS))
-    if device == "cuda" and cuda_device_count(session) == 0:
-        session.skip("compare-gpu: no CUDA device visible to torch in this venv (CPU build or no GPU)")
+    if device == "cuda":
+        cuda_gpus(session)  # skips (or fails) without one; compare then picks the ranks per GPU
     session.run(
         "python",
         "-m",

@@ -270,7 +270,7 @@ def test_a_failed_strategy_appears_with_its_error(compared, tmp_path):
     assert "| ddp ×2 | failed |" in report
 
 
-def test_a_run_that_dies_before_its_record_is_reported(tmp_path):
+def test_a_run_that_dies_before_its_record_is_reported_and_compare_fails(tmp_path):
     impls = tmp_path / "impls"
     shutil.copytree(ROOT / "impls" / "single", impls / "single", ignore=shutil.ignore_patterns("tests"))
     (impls / "crashy").mkdir()
@@ -293,9 +293,15 @@ def test_a_run_that_dies_before_its_record_is_reported(tmp_path):
         ],
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
+    # A comparison with a failed run is no result: exit code 1, one line per failed run, the report kept.
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-2:] == [
+        "distref.compare: error: 1 of 2 runs failed (report lists them):",
+        "  crashy: exit code 3: RuntimeError: simulated crash at start-up",
+    ]
     report = (tmp_path / "out" / "report.md").read_text()
     assert "exit code 3: RuntimeError: simulated crash at start-up" in report
+    assert report.index("## Failed runs") < report.index("## Parity")  # at the top
 
 
 def test_bad_options_fail_before_any_run_starts(tmp_path):

@@ -536,7 +536,7 @@ def test_a_sharded_checkpoint_is_refused_unless_every_file_its_loader_may_read_i
         state["sha256"] = {}
     expected = {
         "unlisted file": "holds files its index does not list",
-        "index lists nothing": "lists no sharded",
+        "index lists nothing": "lists no files to verify",
     }
     with pytest.raises(CheckpointError, match=expected[case]):
         check_listed_files(index, index.parent / state["deepspeed_tag"], state["sha256"])

@@ -20,7 +20,9 @@ Changes against impls/single/train.py are marked `# --- DataParallel: ... ---`.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -62,6 +64,39 @@ VERSION = impl_version(__file__)
 EVAL_BATCH_SIZE = 1000
 
 
+# --- DataParallel: the run's autocast inside each replica's thread ---
+class InAutocast(nn.Module):
+    """A replica whose forward runs under `make_autocast()`, entered in the thread that calls it."""
+
+    def __init__(self, replica: nn.Module, make_autocast: Callable[[], contextlib.AbstractContextManager]):
+        super().__init__()
+        self.replica, self.make_autocast = replica, make_autocast
+
+    def forward(self, *args, **kwargs):
+        with self.make_autocast():
+            return self.replica(*args, **kwargs)
+
+
+class DataParallelWithAutocast(nn.DataParallel):
+    """nn.DataParallel whose replicas compute in the run's precision. It runs each replica in a thread of
+    its own, and autocast is per thread: torch 2.13's parallel_apply re-enters it there with its on/off
+    flag but no dtype, and CUDA's default is fp16, so a bf16 run would compute in fp16 (without the loss
+    scaler fp16 needs). Each replica enters the run's autocast itself."""
+
+    def __init__(
+        self, module: nn.Module, device_ids, make_autocast: Callable[[], contextlib.AbstractContextManager]
+    ):
+        super().__init__(module, device_ids=device_ids)
+        self.make_autocast = make_autocast
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        wrapped = [InAutocast(replica, self.make_autocast) for replica in replicas]
+        return super().parallel_apply(wrapped, inputs, kwargs)
+
+
+# --- end DataParallel ---
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv, IMPL, description=__doc__)
     configure_cpu_threads()
@@ -81,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{IMPL}: {len(gpu_ids)} GPU(s) visible: DataParallel runs the module as is, without parallelism"
         )
-    model = nn.DataParallel(model, device_ids=gpu_ids or None)
+    model = DataParallelWithAutocast(model, gpu_ids or None, lambda: autocast(cfg, device))
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))

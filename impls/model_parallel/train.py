@@ -78,6 +78,7 @@ from distref.training import (
 IMPL = "model_parallel"
 VERSION = impl_version(__file__)
 EVAL_BATCH_SIZE = 1000
+SPLITS_BATCH = False  # --- MODEL PARALLEL: every part sees the whole batch
 
 
 # --- MODEL PARALLEL: strategy options, on top of the core run contract ---
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         check=check_options,
         description=__doc__,
         distributed=True,
-        splits_batch=False,  # --- MODEL PARALLEL: every part sees the whole batch
+        splits_batch=SPLITS_BATCH,
         one_process=lambda cfg: cfg.extra["devices"] and f"--devices {cfg.extra['devices']} is one process",
     )
     # --- MODEL PARALLEL: one process per part (launched here from plain python, as ddp does), or with

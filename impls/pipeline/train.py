@@ -55,7 +55,7 @@ from torch.distributed.pipelining import (
 from distref import impl_version
 from distref.checkpoint import (
     CheckpointError,
-    check_file_hashes,
+    check_listed_files,
     checkpoint_path,
     describe_resume,
     file_sha256,
@@ -100,6 +100,7 @@ from distref.training import (
 IMPL = "pipeline"
 VERSION = impl_version(__file__)
 EVAL_BATCH_SIZE = 1000
+SPLITS_BATCH = False  # --- PIPELINE: check_options splits it over --dp and micro-batches
 
 
 # --- PIPELINE: strategy options, on top of the core run contract ---
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
         check=check_options,
         description=__doc__,
         distributed=True,
-        splits_batch=False,  # --- PIPELINE: check_options splits the batch over --dp and micro-batches
+        splits_batch=SPLITS_BATCH,
     )
     # --- PIPELINE: one process per stage rank, launched here from plain python (as ddp does); a 2-D
     # mesh of (pipelines, stage ranks): rank r's pipeline rank is r % p, its replica index r // p.
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
             # Every stage file as written for this index (not one left by a crash or copied from
             # another run), checked by every rank before any loads.
-            check_file_hashes(path, path.parent, state.get("stage_sha256", {}))
+            check_listed_files(path, path.parent, state.get("stage_sha256", {}), whole_folder=False)
         except CheckpointError as exc:  # every rank finds it; rank 0 says it, once
             fail(str(exc), IMPL) if is_main else sys.exit(2)
         try:

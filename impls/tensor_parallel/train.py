@@ -88,6 +88,7 @@ from distref.training import (
 IMPL = "tensor_parallel"
 VERSION = impl_version(__file__)
 EVAL_BATCH_SIZE = 1000
+SPLITS_BATCH = False  # --- TP: check_options splits the batch over --dp-shard only
 
 
 # --- TP: strategy options, on top of the core run contract ---
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         check=check_options,
         description=__doc__,
         distributed=True,
-        splits_batch=False,  # --- TP: check_options splits the batch over --dp-shard only
+        splits_batch=SPLITS_BATCH,
     )
     # --- TP: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
     # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks

@@ -178,21 +178,22 @@ def folder_hashes(folder: Path) -> dict[str, str]:
     return {f.name: file_sha256(f) for f in sorted(folder.iterdir())}
 
 
-def check_listed_files(index: Path, folder: Path, sha256: dict[str, str]) -> None:
-    """The folder beside a sharded checkpoint's index holds exactly the files the index lists, each as
-    written. The loaders of such folders unpickle what they read (DeepSpeed's load_checkpoint: every
-    mp_rank_*_model_states.pt it globs; DCP: its .metadata), so this runs before them, in the function
-    that calls them (core/tests/test_security.py checks that)."""
-    if folder.is_dir() and sha256 and (unlisted := sorted({f.name for f in folder.iterdir()} - set(sha256))):
-        raise CheckpointError(f"checkpoint folder {folder} holds files its index does not list: {unlisted}")
-    check_file_hashes(index, folder, sha256)
-
-
-def check_file_hashes(index: Path, folder: Path, sha256: dict[str, str]) -> None:
+def check_listed_files(index: Path, folder: Path, sha256: dict[str, str], whole_folder: bool = True) -> None:
     """Each file the index `index` lists ({name: sha256}) is in `folder` as it was written: not missing,
-    not one copied in from another run or left by a crash before the index was written."""
+    not one copied in from another run or left by a crash before the index was written. With
+    `whole_folder`, the folder is the checkpoint's own (a sharded checkpoint's) and holds nothing else;
+    pipeline's stage files lie beside other checkpoints' (False). The loaders of sharded folders unpickle
+    what they read (DeepSpeed's load_checkpoint: every mp_rank_*_model_states.pt it globs; DCP: its
+    .metadata), so this runs before them, in the function that calls them (core/tests/test_security.py
+    checks that)."""
     if not sha256:
-        raise CheckpointError(f"checkpoint {index} lists no sharded files to verify")
+        raise CheckpointError(f"checkpoint {index} lists no files to verify")
+    if (
+        whole_folder
+        and folder.is_dir()
+        and (unlisted := sorted({f.name for f in folder.iterdir()} - set(sha256)))
+    ):
+        raise CheckpointError(f"checkpoint folder {folder} holds files its index does not list: {unlisted}")
     for name, digest in sha256.items():
         file = folder / name
         if not file.is_file() or file_sha256(file) != digest:

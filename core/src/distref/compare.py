@@ -11,14 +11,14 @@ run gets --out <dir>/<impl> and --save-final <dir>/<impl>/final.pt. Every proces
 that each run's hardware is its number of processes (scaling efficiency: distref.report). After the
 runs, each impl's run is checked against its exact oracle (distref.parity.exact_parity: the same
 options, 20 steps, against the single run that makes the same sums), written as <dir>/<impl>/parity.json
-for the report's parity column. A run that fails appears in the report with its error.
+for the report's parity column. A run that fails appears at the top of the report with its error, is
+listed in one line on stderr, and the command exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,6 +28,7 @@ import tomllib
 from pathlib import Path
 
 from distref.config import OneLineErrorParser, RunConfig, parse_config, with_defaults
+from distref.ranks import cuda_gpus, largest_fitting, load_train_module, parse_as, workload_problem
 
 DEFAULT_WORKLOAD = {
     "--model": "lenet",
@@ -78,18 +79,43 @@ def made_for_the_model(
 
 def validate(impl: str, train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
     """Parse `args` as the impl's train.py would (its own options and checks included); exit 2 if bad."""
-    spec = importlib.util.spec_from_file_location(f"distref_compare_{impl}", train)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
-    spec.loader.exec_module(module)
+    if distributed:
+        return parse_as(train, args, world_size)
+    module = load_train_module(train)
     return parse_config(
-        args,
-        impl,
-        getattr(module, "add_options", None),
-        world_size,
-        getattr(module, "check_options", None),
-        distributed=distributed,
+        args, impl, getattr(module, "add_options", None), 1, getattr(module, "check_options", None)
     )
+
+
+def default_world_size(available: dict[str, dict], chosen: list[str], run_args: list[str]) -> int:
+    """2 on CPU; on CUDA one rank per GPU, as many as every chosen multi-process impl's workload allows
+    (so that all run at one world size), said in one line. With no usable GPU, 2: each impl's own check
+    then says what is wrong."""
+    device_option = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    device_option.add_argument("--device", default="auto")
+    device = device_option.parse_known_args(run_args)[0].device
+    if device == "cpu":
+        return 2
+    gpus, said = cuda_gpus()
+    if gpus == 0:
+        if device == "cuda":
+            print(f"compare: {said}", flush=True)
+        return 2
+    trains = [available[i]["train"] for i in chosen if available[i]["launcher"] == "torchrun"]
+    cpu_args = [*run_args, "--device", "cpu"]  # the workload's rules, not this machine's devices
+
+    def problem_at(ranks: int) -> str | None:
+        problems = [f"{t.parent.name}: {p}" for t in trains if (p := workload_problem(t, cpu_args, ranks))]
+        return "; ".join(problems) or None
+
+    ranks, refused = largest_fitting(gpus, problem_at)
+    if ranks is None:
+        sys.exit(
+            f"distref.compare: error: no world size up to {gpus} GPUs fits every impl: {'; '.join(refused)}"
+        )
+    why = f"; not more: {'; '.join(refused)}" if refused else ""
+    print(f"compare: world size {ranks}, one rank per GPU of {said}{why}", flush=True)
+    return ranks
 
 
 def _tee(stream, *sinks) -> None:
@@ -128,7 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--impls", help="comma-separated impls; single is always added (default: every impls/*/train.py)"
     )
-    parser.add_argument("--world-size", type=int, default=2, help="processes for impls launched by torchrun")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        help="ranks of the multi-process impls (default: 2 on CPU; on CUDA one per GPU, as many as every "
+        "impl's workload allows)",
+    )
     parser.add_argument("--out", help="directory for the runs and the report (default runs/compare/<time>)")
     parser.add_argument("--impls-dir", default="impls")
     args, run_args = parser.parse_known_args(argv)
@@ -140,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown impl(s) {', '.join(unknown)}; available: {', '.join(available)}")
     if "single" in available and "single" not in chosen:  # the reference for parity and scaling
         chosen.insert(0, "single")
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be >= 1")
     run_args = with_defaults(DEFAULT_WORKLOAD, run_args)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -149,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     chosen, not_run = made_for_the_model(available, chosen, run_args)
     for impl, reason in not_run:
         print(f"{impl}: not run ({reason})", flush=True)
+    if args.world_size is None:
+        args.world_size = default_world_size(available, chosen, run_args)
 
     # Validate everything before starting anything: a typo fails in a second, not after the first impl.
     plans = []
@@ -158,17 +191,10 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = out / impl
         full_args = [*run_args, "--out", str(run_dir), "--save-final", str(run_dir / "final.pt")]
         cfg = validate(impl, info["train"], full_args, world, info["launcher"] == "torchrun")
-        if info["launcher"] == "torchrun":
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={world}",
-            ]
-        else:
-            command = [sys.executable]
-        plans.append((impl, world, cfg, run_dir, [*command, str(info["train"]), *full_args]))
+        # Each train.py starts its own ranks (`python train.py --nproc-per-node N`, torchrun underneath):
+        # a rank's failure then ends in one line naming it, not torchrun's traceback.
+        ranks = ["--nproc-per-node", str(world)] if info["launcher"] == "torchrun" else []
+        plans.append((impl, world, cfg, run_dir, [sys.executable, str(info["train"]), *full_args, *ranks]))
 
     started = time.perf_counter()
     for i, (impl, world, cfg, run_dir, command) in enumerate(plans, 1):
@@ -216,6 +242,25 @@ def main(argv: list[str] | None = None) -> None:
 
     report = build_report([run_dir for _, _, _, run_dir, _ in plans], out, not_run=not_run)
     print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report.resolve()}")
+    failed = failed_runs([(impl, run_dir) for impl, _, _, run_dir, _ in plans])
+    if failed:  # a comparison with a failed run is not a result: CI and scripts must see it
+        sys.stderr.write(
+            f"distref.compare: error: {len(failed)} of {len(plans)} runs failed (report lists them):\n"
+        )
+        sys.stderr.writelines(f"  {impl}: {error}\n" for impl, error in failed)
+        sys.exit(1)
+
+
+def failed_runs(runs: list[tuple[str, Path]]) -> list[tuple[str, str]]:
+    """(impl, its error in one line) for each run whose record says it did not complete."""
+    from distref.record import load_record
+
+    failed = []
+    for impl, run_dir in runs:
+        record = load_record(run_dir)
+        if record["status"] != "completed":
+            failed.append((impl, (record.get("error") or "failed").strip().splitlines()[0][:300]))
+    return failed
 
 
 if __name__ == "__main__":

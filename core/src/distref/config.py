@@ -370,9 +370,27 @@ def parse_config(
         cfg.extra.update(nproc_per_node=world_size, max_restarts=launch["max_restarts"])
     shards = (world_size or 1) if splits_batch else 1
     problem = validate(cfg, shards) or (check(cfg, world_size or 1) if check else None)
+    if not problem and distributed and not (one_process and one_process(cfg)):
+        problem = gpus_problem(cfg, world_size or 1)
     if problem:
         parser.error(problem)
     return cfg
+
+
+def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
+    """On CUDA each rank on this machine takes a GPU of its own (its LOCAL_RANK): more ranks here than
+    visible GPUs would fail in the rank whose set_device has no device, after the others started."""
+    if not uses_cuda(cfg):
+        return None
+    import torch
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if local_ranks > (gpus := torch.cuda.device_count()):
+        return (
+            f"{local_ranks} ranks on this machine need a CUDA device each, and {gpus} are visible: "
+            f"start at most {gpus} (--nproc-per-node), or run on CPU (--device cpu)"
+        )
+    return None
 
 
 def default_ranks(cfg: RunConfig) -> int:
@@ -442,9 +460,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
             return problem
     if cfg.save_final and (problem := file_problem("--save-final", Path(cfg.save_final))):
         return problem
-    from distref.data import train_set_size  # (it imports this module)
+    from distref.data import DataError, train_set_size  # (it imports this module)
 
-    if cfg.global_batch_size > (samples := train_set_size(cfg)):
+    try:
+        samples = train_set_size(cfg)
+    except DataError as exc:  # a text file that cannot be read, or is too short
+        return str(exc)
+    if cfg.global_batch_size > samples:
         return (
             f"--global-batch-size {cfg.global_batch_size} is larger than the {cfg.dataset} training set "
             f"({samples} samples): one step would need more samples than there are"

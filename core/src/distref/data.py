@@ -477,22 +477,28 @@ def train_set_size(cfg: RunConfig) -> int:
     if cfg.dataset == "synthetic":
         return SYNTHETIC_TRAIN_SIZES["sequence" if cfg.model == "gpt" else "image"]
     if cfg.dataset == "text":
-        return text_train_size(len(Path(cfg.data_root).read_text(encoding="utf-8", errors="replace")))
+        return text_train_size(len(read_text(Path(cfg.data_root))))
     return TRAIN_SET_SIZES[cfg.dataset]
 
 
-def load_text(path: Path, block_size: int = 64):
-    """Character-level language modelling on any local text file; first 90% train, last 10% test."""
+def read_text(path: Path, block_size: int = 64) -> str:
+    """A text file to train on: UTF-8, and long enough for 10 blocks (DataError saying what is wrong)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+    if (len(text) - 1) // block_size < 10:
+        raise DataError(f"{path} is too short: need at least {10 * block_size + 1} characters")
+    return text
+
+
+def load_text(path: Path, block_size: int = 64):
+    """Character-level language modelling on any local text file; first 90% train, last 10% test."""
+    text = read_text(path, block_size)
     vocab = sorted(set(text))
     lookup = {ch: i for i, ch in enumerate(vocab)}
     tokens = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
     n_chunks = (len(tokens) - 1) // block_size
-    if n_chunks < 10:
-        raise DataError(f"{path} is too short: need at least {10 * block_size + 1} characters")
     starts = torch.arange(n_chunks) * block_size
     window = starts[:, None] + torch.arange(block_size + 1)
     chunks = tokens[window]

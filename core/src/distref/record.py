@@ -45,6 +45,39 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+class TrainingPeakMemory:
+    """The most memory training held on each device a rank computes on. On CUDA: torch's peak allocation,
+    reset when set-up ends (`start`), taken before each evaluation (`before_evaluation`) and reset after
+    it, so that neither set-up nor an evaluation's test-set batches count as training's. On the CPU: the
+    process's max resident set size, which cannot be reset (set-up and evaluation count)."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices = devices
+        self.peaks = [0] * len(devices)
+
+    def _cuda(self) -> list[tuple[int, torch.device]]:
+        return [(i, d) for i, d in enumerate(self.devices) if d.type == "cuda"]
+
+    def start(self) -> None:
+        for _, device in self._cuda():
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def before_evaluation(self) -> None:
+        for i, device in self._cuda():
+            self.peaks[i] = max(self.peaks[i], int(torch.cuda.max_memory_allocated(device)))
+
+    def after_evaluation(self) -> None:
+        self.start()
+
+    def bytes(self) -> list[int]:
+        """Per device, the peak so far."""
+        self.before_evaluation()  # (the peak since the last evaluation counts too)
+        return [
+            peak if d.type == "cuda" else peak_memory_bytes(d)
+            for peak, d in zip(self.peaks, self.devices, strict=True)
+        ]
+
+
 _IMPORTED_AT = time.perf_counter()
 
 
@@ -113,6 +146,7 @@ class RunRecord:
         backend: str,
         write_files: bool = True,
         devices: int | None = None,
+        memory_devices: list[torch.device] | None = None,
     ):
         # Every rank may keep a record (same numbers); only the one with write_files touches --out.
         self.out = Path(cfg.out) if cfg.out and write_files else None
@@ -150,6 +184,8 @@ class RunRecord:
         self._run_start = run_start()
         self._wall_before = self._elapsed_before = self._startup_before = 0.0
         self._session_start = self._run_start  # until start_training()
+        # Training's peak memory on each device this rank computes on (model_parallel --devices: several).
+        self.memory = TrainingPeakMemory(memory_devices or [device])
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
 
@@ -158,6 +194,7 @@ class RunRecord:
         """Set-up is done and the first step of this session begins: start-up ends, the run's clock starts."""
         self._session_start = time.perf_counter()
         self.data["startup_time_s"] = self._startup_before + self._session_start - self._run_start
+        self.memory.start()  # set-up's allocations are not training's
 
     def elapsed(self) -> float:
         """The run's clock: seconds since the first step, summed over sessions (start-ups left out)."""
@@ -169,6 +206,9 @@ class RunRecord:
 
     # -- measurements -------------------------------------------------------------------------------
     def add_steps(self, first_step: int, losses: list[float], step_times: list[float]) -> None:
+        """Steps' losses and times, flushed every --log-every steps and before every evaluation (every impl
+        flushes when an evaluation is due): the training peak memory so far is taken here too."""
+        self.memory.before_evaluation()
         rows = [
             {"step": first_step + i, "loss": loss if math.isfinite(loss) else None, "step_time_s": t}
             for i, (loss, t) in enumerate(zip(losses, step_times, strict=True))
@@ -186,6 +226,7 @@ class RunRecord:
 
     def add_eval(self, step: int, epoch: float, accuracy: float, loss: float, seconds: float) -> None:
         """An evaluation after `step` steps that took `seconds`; its elapsed time is the run's at its end."""
+        self.memory.after_evaluation()  # what it allocated is not training's
         elapsed = self.elapsed()
         self.data["evals"].append(
             {
@@ -208,6 +249,10 @@ class RunRecord:
             e["elapsed_s"] for e in self.data["evals"] if target is not None and e["accuracy"] >= target
         ]
         self.data["time_to_target_s"] = reached[0] if reached else None
+
+    def training_peak_memory(self) -> list[int]:
+        """This rank's training peak memory, per device it computes on (TrainingPeakMemory)."""
+        return self.memory.bytes()
 
     def finish(
         self,

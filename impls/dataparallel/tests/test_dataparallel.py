@@ -46,6 +46,38 @@ def test_parity_with_single_for_a_model_with_batchnorm(dataparallel_train, singl
     assert max_relative_difference(final, reference) < PARITY_TOLERANCE
 
 
+def test_each_replica_computes_in_the_run_s_precision_in_its_own_thread(dataparallel_train, monkeypatch):
+    """On 2+ GPUs DataParallel runs each replica in a thread and re-enters autocast there without a dtype
+    (CUDA's default: fp16). Here, on the CPU: the replicas it hands to parallel_apply, called in a thread
+    under an fp16 autocast as torch would, compute in the run's bf16."""
+    import threading
+
+    from distref.config import parse_config
+
+    cfg = parse_config(["--precision", "bf16", "--dataset", "synthetic"], "dataparallel")
+    cpu = torch.device("cpu")
+    model = dataparallel_train.DataParallelWithAutocast(
+        torch.nn.Linear(4, 2), None, lambda: dataparallel_train.autocast(cfg, cpu)
+    )
+    handed = []
+    monkeypatch.setattr(
+        torch.nn.DataParallel, "parallel_apply", lambda self, replicas, *a: handed.extend(replicas)
+    )
+    model.parallel_apply([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)], [], [])
+    dtypes = []
+
+    def replica_thread(replica):
+        with torch.amp.autocast("cpu", dtype=torch.float16):  # what the thread starts with
+            dtypes.append(replica(torch.randn(3, 4)).dtype)
+
+    threads = [threading.Thread(target=replica_thread, args=(r,)) for r in handed]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+
+
 def test_says_in_one_line_that_it_does_not_parallelise_without_gpus(tmp_path):
     result = run_script(
         [

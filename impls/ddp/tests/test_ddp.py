@@ -166,15 +166,25 @@ def test_plain_python_refuses_bad_input_before_starting_any_rank():
 
 
 @pytest.mark.faults
-def test_a_failing_rank_ends_the_job_in_one_line_naming_it(tmp_path):
-    """A rank that fails (a text file too short to train on): the job ends, exit code 1, one line naming the rank under its error."""
+def test_a_failing_rank_ends_the_job_in_one_line_naming_it(single_train, tmp_path):
+    """A rank that fails (resuming a checkpoint of another run, which only the ranks read): the job ends,
+    exit code 1, one line naming the rank under its error."""
+    args = ["--dataset", "synthetic", "--steps", "2", "--global-batch-size", "16"]
+    single_train.main([*args, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"])
+    result = python_train([*args, "--seed", "1", "--resume", str(tmp_path / "step-00000002.pt")])
+    assert result.returncode == 1
+    assert "is from a different run (--seed 0 vs 1)" in result.stderr  # the rank's own error
+    assert re.search(r"ddp: rank [01] failed \(exit code 2\); its error is above\n$", result.stderr)
+
+
+def test_a_text_file_too_short_to_train_on_is_one_line_before_any_rank(tmp_path):
     too_short = tmp_path / "short.txt"
     too_short.write_text("too short to train on\n")
-    args = ["--model", "gpt", "--dataset", "text", "--data-root", str(too_short), "--steps", "2"]
-    result = python_train(args)
-    assert result.returncode == 1
-    assert "is too short: need at least 641 characters" in result.stderr  # the rank's own error
-    assert re.search(r"ddp: rank [01] failed \(exit code 2\); its error is above\n$", result.stderr)
+    result = python_train(["--model", "gpt", "--dataset", "text", "--data-root", str(too_short)])
+    assert result.returncode == 2 and "starting" not in result.stdout
+    assert result.stderr.splitlines()[-1] == (
+        f"ddp/train.py: error: {too_short} is too short: need at least 641 characters"
+    )
 
 
 def test_launch_options_are_refused_under_torchrun():
