@@ -1,5 +1,5 @@
-"""Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `parity`, `faults`, `export`, `lint`, `tests`,
-`mutants`.
+"""Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `compare-gpu`, `parity`, `faults`, `export`,
+`lint`, `tests`, `tests-gpu`, `mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
 unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
@@ -235,3 +235,25 @@ def tests(session: nox.Session) -> None:
     # from 16.7 to 11.6 minutes, and a third worker keeps the CPU at 99-100% while some wait (vmstat).
     # `-- -n 0` runs one at a time.
     session.run("pytest", "-n", "3", "--dist", "worksteal", "--durations=40", *session.posargs)
+    # The tests marked `gpu` (conftest hides the GPUs from the run above) only where this torch can use a
+    # GPU: elsewhere they would all skip.
+    gpus, _, said = answer(session, "cuda_gpus=", "--cuda").partition(" ")
+    if int(gpus):
+        session.log(f"the gpu tests, on {said}")
+        run_gpu_tests(session)
+
+
+def run_gpu_tests(session: nox.Session) -> None:
+    """pytest -m gpu with the GPUs visible (DISTREF_GPU_TESTS=1), one test at a time: each takes the GPUs
+    it needs, and two at once would share them."""
+    session.run("pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider", env={"DISTREF_GPU_TESTS": "1"})
+
+
+@nox.session(name="tests-gpu")
+def tests_gpu(session: nox.Session) -> None:
+    """The tests marked gpu (NCCL, CUDA parity in fp64); skips without a usable GPU, fails instead where
+    DISTREF_REQUIRE_GPU=1 (the GPU workflow)."""
+    install_core(session, *TEST_DEPS, *impl_requirements(*IMPLS))
+    session.env["DISTREF_DATA"] = DATA_ROOT
+    cuda_gpus(session)
+    run_gpu_tests(session)

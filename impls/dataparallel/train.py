@@ -40,7 +40,7 @@ from distref.config import fail, parse_config
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -122,8 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
     n_steps = total_steps(cfg, len(train_set))
     epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
     # --- DataParallel: one process computing on every GPU it was given (1 on CPU: no parallelism)
+    gpus = [torch.device("cuda", i) for i in gpu_ids]
     record = RunRecord(
-        IMPL, VERSION, cfg, world_size=1, device=device, backend="none", devices=max(1, len(gpu_ids))
+        IMPL,
+        VERSION,
+        cfg,
+        world_size=1,
+        device=device,
+        backend="none",
+        devices=max(1, len(gpu_ids)),
+        memory_devices=gpus or None,
     )
 
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
@@ -231,8 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DataParallel: peak memory of every GPU it used (GPU 0 carries the gathers, loss and optimizer)
-    peaks = [peak_memory_bytes(torch.device("cuda", i)) for i in gpu_ids] or [peak_memory_bytes(device)]
-    record.finish(cfg.global_batch_size, peaks, [state_bytes])
+    record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes])
     print_summary(record.data)
     return record.data
 

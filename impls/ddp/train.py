@@ -47,7 +47,7 @@ from distref.dist import (
 )
 from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DDP: peak memory of every rank, gathered to rank 0 ---
     peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(peaks, torch.tensor(peak_memory_bytes(device), device=device))
+    dist.all_gather(peaks, torch.tensor(record.training_peak_memory()[0], device=device))
     # --- DDP: and every rank's model-state bytes (a full replica each), as [parameters, gradients, optimizer]
     kinds = ("parameters", "gradients", "optimizer")
     held = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(world_size)]

@@ -56,7 +56,7 @@ from distref.dist import (
 )
 from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     configure_cpu_threads,
     evaluate,
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             save_checkpoint(cfg.save_final, final)
     # --- ZERO: peak memory and model-state bytes (its partitions only) of every rank, gathered to rank 0
-    peaks = gather_to_rank0(peak_memory_bytes(device), world_size)
+    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
     states = gather_to_rank0(state_bytes, world_size)
     record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
     if is_main:

@@ -54,7 +54,7 @@ from distref.dist import (
 )
 from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- FSDP: shard; every rank built the same parameters (same seed), so each keeps its own slice of
-    # them (no broadcast needed). A plain copy of the model scores the gathered parameters (evaluation).
-    eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    # them (no broadcast needed). A plain copy of the model scores the gathered parameters (evaluation):
+    # kept on the CPU between evaluations, where a whole model on every GPU would undo the sharding.
+    eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     model = apply_fsdp(model, mesh, cfg, device)
     optimizer = make_optimizer(cfg, model.parameters())  # over the shards: each rank steps its own
     scaler = make_grad_scaler(cfg, device)
@@ -290,10 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
                     # shards may differ in batch count, so they would not pair up across ranks. BatchNorm
                     # statistics (buffers, not sharded) are rank 0's everywhere: the saved model's.
                     eval_model.load_state_dict(full_state_dict(model))
+                    eval_model.to(device)  # for the evaluation only (see above)
                     for buffer in eval_model.buffers():
                         dist.broadcast(buffer, src=0)
                     batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
                     totals = evaluate(eval_model, batches, device, cfg)
+                    eval_model.to("cpu")
                     dist.all_reduce(totals)
                     loss_sum, correct, count = totals
                     accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
@@ -331,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             save_checkpoint(cfg.save_final, final)
     # --- FSDP: peak memory and model-state bytes (its shards only) of every rank, gathered to rank 0
-    peaks = gather_to_rank0(peak_memory_bytes(device), world_size)
+    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
     states = gather_to_rank0(state_bytes, world_size)
     record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
     if is_main:

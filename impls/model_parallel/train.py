@@ -54,9 +54,9 @@ from distref.dist import (
     torchrun_env,
 )
 from distref.models import BlockModel, build_model
-from distref.monitor import profiler, progress_bar, tensorboard_writer
+from distref.monitor import IntervalTimer, profiler, progress_bar, tensorboard_writer
 from distref.partition import choose_cut_points, part_bounds
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -141,7 +141,8 @@ class Links:
     before: int | None = None
     after: int | None = None
     bytes_sent: int = 0  # activations forward, their gradients backward
-    waiting_s: float = 0.0  # training time blocked receiving: idle, waiting for a neighbour
+    # training time blocked receiving: idle, waiting for a neighbour (CUDA events on a GPU)
+    waiting: IntervalTimer = dataclasses.field(default_factory=lambda: IntervalTimer(torch.device("cpu")))
 
 
 def send_activation(tensor: torch.Tensor, links: Links) -> None:
@@ -179,9 +180,8 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler) -> torc
     if links.before is None:
         inputs = x
     else:  # the previous part's output, as this part's input: backward needs its gradient
-        started = time.perf_counter()
-        inputs = receive_activation(links, parts[0][1]).requires_grad_()
-        links.waiting_s += time.perf_counter() - started
+        with links.waiting.measure():
+            inputs = receive_activation(links, parts[0][1]).requires_grad_()
     with autocast(cfg, device):
         outputs = run_parts(parts, inputs)
     if links.after is None:  # the last part: the loss, and backward from it
@@ -191,10 +191,9 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler) -> torc
         scaler.scale(loss / cfg.grad_accum).backward()
     else:
         send_activation(outputs.detach(), links)
-        started = time.perf_counter()
-        output_grad = torch.empty_like(outputs)  # the same shape and dtype as what was sent
-        dist.recv(output_grad, links.after)
-        links.waiting_s += time.perf_counter() - started
+        with links.waiting.measure():
+            output_grad = torch.empty_like(outputs)  # the same shape and dtype as what was sent
+            dist.recv(output_grad, links.after)
         torch.autograd.backward(outputs, output_grad)  # backward through this part from its output
         loss = torch.zeros((), device=device)
     if links.before is not None:  # hand the input's gradient to the previous part
@@ -267,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         devices = [device]
         links = Links(rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None)
+        links.waiting = IntervalTimer(device)
     is_main = rank == 0  # rank 0 writes the record, checkpoints and the final state_dict
     n_parts = len(devices) if one_process else world_size
     cuts = choose_cut_points(cfg.model, cfg.extra["partition"], n_parts, cfg.gpt_layers)[0]
@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         backend=backend,
         write_files=is_main,
         devices=n_parts,
+        memory_devices=devices,  # --- MODEL PARALLEL: --devices: the peak of each part's device
     )  # --- MODEL PARALLEL: every rank keeps the numbers, rank 0 writes them
     record.data["strategy"].update(cut_points=cuts, parts=[block_names[a:b] for a, b in bounds])
 
@@ -365,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
                     state_bytes = model_state_bytes(model.parameters(), optimizer)
                     bytes_per_step = links.bytes_sent  # --- MODEL PARALLEL: measured on the first step
                 optimizer.zero_grad(set_to_none=True)
-                synchronize(device)
+                for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
+                    synchronize(part_device)
                 pending_times.append(time.perf_counter() - t0)
                 session_train_s += pending_times[-1]  # --- MODEL PARALLEL
                 pending_losses.append(step_loss)
@@ -438,17 +440,19 @@ def main(argv: list[str] | None = None) -> dict:
     # the bytes it sent per step, gathered to rank 0
     measured = gather_to_rank0(
         {
-            "peak": peak_memory_bytes(device),
+            "peak": record.training_peak_memory(),  # one per device it computes on
             "state": state_bytes,
             "bytes_per_step": bytes_per_step if state_bytes else None,
-            "busy_fraction": 1 - links.waiting_s / session_train_s if session_train_s else None,
+            "busy_fraction": 1 - links.waiting.seconds() / session_train_s if session_train_s else None,
         },
         world_size,
     )
     if is_main:
         record.data["strategy"]["bytes_sent_per_step"] = [m["bytes_per_step"] for m in measured]
         record.data["strategy"]["busy_fraction"] = [m["busy_fraction"] for m in measured]
-    record.finish(cfg.global_batch_size, [m["peak"] for m in measured], [m["state"] for m in measured])
+    record.finish(
+        cfg.global_batch_size, [p for m in measured for p in m["peak"]], [m["state"] for m in measured]
+    )
     if is_main:
         print_summary(record.data)
     return record.data

@@ -76,9 +76,9 @@ from distref.dist import (
     torchrun_env,
 )
 from distref.models import BlockModel, build_model
-from distref.monitor import profiler, progress_bar, tensorboard_writer
+from distref.monitor import IntervalTimer, profiler, progress_bar, tensorboard_writer
 from distref.partition import choose_cut_points, part_bounds
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -212,30 +212,24 @@ def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time it computes (forward, backward, weight gradients). The rest of
     a rank's time in `schedule.step` it waits on its neighbours or runs the schedule itself: the bubble,
-    measured (the optimizer step, outside the schedule, is not counted either way)."""
+    measured (the optimizer step, outside the schedule, is not counted either way). On a GPU both are
+    CUDA events on the stream (IntervalTimer): a host clock sees NCCL's waits as no time."""
 
-    busy_s = 0.0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.busy = IntervalTimer(self.device)
 
     def forward_one_chunk(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.busy.measure():
             return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - started
 
     def backward_one_chunk(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.busy.measure():
             return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - started
 
     def backward_weight_one_chunk(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.busy.measure():
             return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - started
 
 
 class SavedActivations:
@@ -528,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
     pending_times: list[float] = []
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
-    schedule_s = 0.0  # --- PIPELINE: time in the schedule from the second step on (the first warms up)
+    in_schedule = IntervalTimer(device)  # --- PIPELINE: time in the schedule, from the second step on
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     try:
@@ -539,8 +533,8 @@ def main(argv: list[str] | None = None) -> dict:
                 # stages, sending activations and their gradients to the neighbouring stages.
                 x, y = next(batches)
                 if step == start_step + 1:  # the bubble and activations: measured from the second step
-                    for stage in stages:
-                        stage.busy_s = 0.0
+                    for timer in (in_schedule, *(stage.busy for stage in stages)):
+                        timer.reset()
                     saved_activations.peak = 0
                 saved_activations.at_step_start = saved_activations.live
                 micro_losses: list[torch.Tensor] = []  # filled on the rank with the last stage
@@ -549,11 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
                 held = torch.autograd.graph.saved_tensors_hooks(
                     saved_activations.pack, saved_activations.unpack
                 )
-                started = time.perf_counter()
-                with held, autocast(cfg, device):
+                with in_schedule.measure(), held, autocast(cfg, device):
                     schedule.step(*inputs, **targets)
-                if step > start_step:
-                    schedule_s += time.perf_counter() - started
                 if dp > 1:
                     all_reduce_gradients(model.parameters(), dp_group, dp)
                     broadcast_buffers(model, dp_group)
@@ -650,10 +641,10 @@ def main(argv: list[str] | None = None) -> dict:
             save_checkpoint(cfg.save_final, {k: merged[k] for k in core_keys})
     # --- PIPELINE: each rank's memory, model state (its stages only), activations held for backward,
     # and busy share of its time in the schedule, gathered to rank 0; the bubble is the idle share
-    busy_s = sum(stage.busy_s for stage in stages)
+    busy_s, schedule_s = sum(stage.busy.seconds() for stage in stages), in_schedule.seconds()
     measured = gather_to_rank0(
         {
-            "peak": peak_memory_bytes(device),
+            "peak": record.training_peak_memory()[0],
             "state": state_bytes,
             "activations": saved_activations.peak,
             "busy_fraction": busy_s / schedule_s if schedule_s else None,

@@ -26,7 +26,7 @@ from distref.config import fail, parse_config
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
-    record.finish(cfg.global_batch_size, [peak_memory_bytes(device)], [state_bytes])
+    record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes])
     print_summary(record.data)
     return record.data
 

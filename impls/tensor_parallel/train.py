@@ -67,7 +67,7 @@ from distref.dist import (
 )
 from distref.models import GPTConfig, build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
-from distref.record import RunRecord, peak_memory_bytes, print_summary
+from distref.record import RunRecord, print_summary
 from distref.training import (
     autocast,
     configure_cpu_threads,
@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- TP: split every layer over the tensor-parallel group (every rank built the same parameters, same
     # seed: each keeps its slice), then shard over the data-parallel groups. A plain copy of the model
-    # scores the gathered parameters (evaluation).
-    eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    # scores the gathered parameters (evaluation): kept on the CPU between evaluations, where a whole
+    # model on every GPU would undo the split.
+    eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     model = apply_tp(model, mesh["tp"], cfg)
     if dp > 1:
         model = apply_fsdp(model, mesh["dp_shard"])
@@ -395,8 +396,10 @@ def main(argv: list[str] | None = None) -> dict:
                     # model: shards may differ in batch count, and forwards through the split model are
                     # collectives, so they would not pair up across ranks.
                     eval_model.load_state_dict(full_state_dict(model))
+                    eval_model.to(device)  # for the evaluation only (see above)
                     batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
                     totals = evaluate(eval_model, batches, device, cfg)
+                    eval_model.to("cpu")
                     dist.all_reduce(totals)
                     loss_sum, correct, count = totals
                     accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             save_checkpoint(cfg.save_final, final)
     # --- TP: peak memory and model-state bytes (its slices only) of every rank, gathered to rank 0
-    peaks = gather_to_rank0(peak_memory_bytes(device), world_size)
+    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
     states = gather_to_rank0(state_bytes, world_size)
     record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
     if is_main:

@@ -170,9 +170,12 @@ def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None 
 
 
 def gather_to_rank0(obj: Any, world_size: int) -> list:
-    """Every rank's picklable `obj` on rank 0, as a list by rank (elsewhere empty). One process: [obj]."""
+    """Every rank's picklable `obj` on rank 0, as a list by rank (elsewhere empty). One process: [obj].
+    Tensors in it travel as CPU tensors: a pickled CUDA tensor would be unpickled on rank 0 onto the
+    sender's GPU index (rank 1's optimizer state onto cuda:1, from rank 0's process)."""
     if world_size == 1:
         return [obj]
+    obj = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, obj)
     gathered = [None] * world_size if dist.get_rank() == 0 else None
     dist.gather_object(obj, gathered, dst=0)
     return gathered or []

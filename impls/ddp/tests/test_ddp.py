@@ -14,6 +14,7 @@ import torch
 
 from conftest import (
     DATA_ROOT,
+    GPU_PARITY,
     PARITY_TOLERANCE,
     ROOT,
     batchnorm_args,
@@ -430,3 +431,18 @@ def test_fp64_equals_plain_single_at_three_ranks_with_adamw_and_accumulation(tmp
     ddp, single = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("ddp", "single"))
     assert all(v.dtype == torch.float64 for v in ddp.values() if v.is_floating_point())
     assert 0 < max_relative_difference(ddp, single) < FP64_TOLERANCE  # summed in another order, yet equal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs (NCCL; one rank per GPU)")
+def test_two_gpus_match_single(single_train, tmp_path):
+    """`nox -s ddp-gpu`'s path: NCCL, one rank per GPU, equal to single --grad-accum 2 (fp64 on CUDA)."""
+    args = [*parity_args("lenet"), *GPU_PARITY, "--out", str(tmp_path / "ddp")]
+    run_ddp(2, [*args, "--save-final", str(tmp_path / "ddp.pt")])
+    single_train.main(
+        [*parity_args("lenet"), *GPU_PARITY, "--grad-accum", "2", "--save-final", str(tmp_path / "s.pt")]
+    )
+    final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("ddp", "s"))
+    assert max_relative_difference(final, reference) < FP64_TOLERANCE
+    record = json.loads((tmp_path / "ddp" / "record.json").read_text())
+    assert record["environment"]["backend"] == "nccl" and len(record["peak_memory_bytes"]) == 2

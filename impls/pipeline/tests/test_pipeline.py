@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from conftest import (
+    FP64_TOLERANCE,
+    GPU_PARITY,
     PARITY_TOLERANCE,
     batchnorm_args,
     check_killed_rank_ends_the_job,
@@ -411,10 +413,8 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs: one stage rank per GPU")
 def test_two_gpus_match_single(single_train, tmp_path):
-    args = [*parity_args("lenet"), "--device", "cuda"]
+    args = [*parity_args("lenet"), *GPU_PARITY]
     single_train.main([*args, "--grad-accum", "4", "--save-final", str(tmp_path / "single.pt")])
     run_pp(2, [*args, "--save-final", str(tmp_path / "pp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("pp", "single"))
-    assert (
-        max_relative_difference(final, reference) < PARITY_TOLERANCE
-    )  # GPU kernels may sum in another order
+    assert max_relative_difference(final, reference) < FP64_TOLERANCE
