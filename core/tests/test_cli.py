@@ -18,7 +18,7 @@ BAD = [
     (["--global-batch-size", "10", "--grad-accum", "4"], "must be divisible by world size × --grad-accum"),
     (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs CUDA"),
     (["--target-accuracy", "1.5"], "must be in (0, 1]"),
-    (["--lr", "-1"], "--lr: must be > 0"),
+    (["--lr", "-1"], "--lr: must be a finite number > 0"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
     (["--resume", "auto"], "--resume auto needs --checkpoint-dir"),
     (["--resume", "/nonexistent/ckpt.pt"], "no such checkpoint file"),
@@ -130,7 +130,9 @@ IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
 # (impls it applies to, or None for all; the bad options; what the line says). {file} and {dir} are an
 # existing file and folder: their contents must survive.
 BAD_IN_EVERY_IMPL = [
-    (None, ["--weight-decay", "-1"], "argument --weight-decay: must be >= 0, got -1"),
+    (None, ["--weight-decay", "-1"], "argument --weight-decay: must be a finite number >= 0, got -1"),
+    (None, ["--weight-decay", "nan"], "argument --weight-decay: must be a finite number >= 0, got nan"),
+    (None, ["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
     (None, ["--seed", "-1"], "argument --seed: must be in [0, 2**32 - 1], got -1"),
     (None, ["--seed", "4294967296"], "argument --seed: must be in [0, 2**32 - 1], got 4294967296"),
     (None, ["--global-batch-size", "32768"], "is larger than the synthetic training set"),
@@ -142,12 +144,24 @@ BAD_IN_EVERY_IMPL = [
         "--save-final {file}/final.pt: its folder {file}: not a directory",
     ),
     (None, ["--save-final", "{dir}"], "--save-final {dir}: a directory; give a file name"),
-    (["deepspeed_zero"], ["--bucket-mb", "0"], "argument --bucket-mb: must be > 0, got 0"),
-    (["deepspeed_zero"], ["--bucket-mb", "-1"], "argument --bucket-mb: must be > 0, got -1"),
+    (None, ["--out", "{dangling}"], "--out {dangling}: a symbolic link to nothing"),
+    (["deepspeed_zero"], ["--bucket-mb", "0"], "argument --bucket-mb: must be a finite number > 0, got 0"),
+    (
+        ["deepspeed_zero"],
+        ["--bucket-mb", "inf"],
+        "argument --bucket-mb: must be a finite number > 0, got inf",
+    ),
+    (["ddp"], ["--bucket-cap-mb", "nan"], "argument --bucket-cap-mb: must be a finite number > 0, got nan"),
+    (["ddp"], ["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be a finite number > 0, got 0"),
+    (
+        ["ddp", "deepspeed_zero", "fsdp", "model_parallel", "pipeline", "tensor_parallel"],
+        ["--timeout", "inf"],
+        "argument --timeout: must be a finite number > 0, got inf",
+    ),
     (
         ["model_parallel"],
         ["--devices", "cpu,cpu", "--nproc-per-node", "4", "--max-restarts", "3"],
-        "--nproc-per-node and --max-restarts start ranks, but --devices cpu,cpu is one process",
+        "--nproc-per-node and --max-restarts are for runs of several ranks, but --devices cpu,cpu is one process",
     ),
 ]
 BAD_CASES = [
@@ -186,7 +200,8 @@ def test_bad_input_is_one_line_before_any_process_group_in_every_impl(
     monkeypatch.setattr(torch.distributed, "init_process_group", started)
     existing = tmp_path / "record.json"
     existing.write_text("kept")
-    paths = {"file": str(existing), "dir": str(tmp_path)}
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    paths = {"file": str(existing), "dir": str(tmp_path), "dangling": str(tmp_path / "dangling")}
     own_model = ["--model", "gpt"] if impl == "tensor_parallel" else []  # made for gpt
     argv = [*own_model, "--dataset", "synthetic", *(a.format(**paths) for a in args)]
     with pytest.raises(SystemExit) as exc:

@@ -31,6 +31,8 @@ def test_the_largest_count_that_fits_is_taken(devices, expected):
         ("pipeline", LENET, 8, 4, "5 ranks: 5 parts but --model lenet has only 4 blocks"),
         ("tensor_parallel", ["--model", "gpt", "--dataset", "synthetic"], 8, 4, "--tp 8 must divide"),
         ("pipeline", LENET, 1, None, "a pipeline needs 2 or more"),
+        ("single", LENET, 4, 1, "this impl starts no ranks"),
+        ("dataparallel", LENET, 4, 1, "this impl starts no ranks"),
     ],
 )
 def test_each_impl_s_own_checks_choose_its_world_size(impl, args, devices, expected, said):
@@ -48,6 +50,7 @@ def test_each_impl_s_own_checks_choose_its_world_size(impl, args, devices, expec
         (1, True, (12, 0), ["sm_80", "sm_90"], "sm_120 is not among this torch build's"),
         (1, True, (12, 0), ["sm_80", "compute_90"], None),  # PTX, compiled for the newer GPU
         (1, True, (7, 0), ["sm_80", "sm_90"], "sm_70 is not among"),
+        (1, True, (9, 4), ["gfx90a", "gfx942"], None),  # ROCm names its architectures otherwise
     ],
 )
 def test_a_gpu_torch_counts_but_cannot_use_is_said(counted, available, capability, arches, problem):

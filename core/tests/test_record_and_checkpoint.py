@@ -80,6 +80,8 @@ def test_start_up_training_and_wall_time_are_three_clocks_summed_over_sessions(t
     monkeypatch.setattr(rec, "seconds_since_process_start", lambda: 4.0)  # the process began at 6
     monkeypatch.setattr(distref.config, "PARSE_TIMES", [])
     monkeypatch.setattr(rec, "PARSE_TIMES", distref.config.PARSE_TIMES)
+    monkeypatch.setattr(rec.sys, "argv", ["impls/single/train.py"])  # a process started to train
+    monkeypatch.delenv("DISTREF_LAUNCHED_AT", raising=False)
     cfg = parse_config(["--dataset", "synthetic", "--target-accuracy", "0.5"], "single")
     record = rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none")
     clock.now = 13.0
@@ -104,11 +106,22 @@ def test_start_up_training_and_wall_time_are_three_clocks_summed_over_sessions(t
     assert resumed.data["startup_time_s"] == 7.0 + 3.0
     assert resumed.data["evals"][1]["elapsed_s"] == 7.0 + 3.0
     assert resumed.data["wall_time_s"] == 14.0 + 6.0
-    # main() run again in one process (tests, notebooks): its run starts when its options were parsed.
-    clock.now = 200.0
+    # main() run again in one process (tests, notebooks): its run starts when its options were parsed;
+    # so does the first, in a process started for something else.
     monkeypatch.setattr(rec.time, "perf_counter", FakeClock(200.0))
     distref.config.PARSE_TIMES[:] = [50.0, 190.0]
     assert rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 10.0
+    monkeypatch.setattr(rec.sys, "argv", ["ipykernel_launcher.py"])
+    distref.config.PARSE_TIMES[:] = [195.0]
+    assert rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 5.0
+    # A rank that `python train.py --nproc-per-node N` started: from the launcher's start, 30 s ago.
+    monkeypatch.setattr(rec.time, "time", lambda: 1000.0)
+    monkeypatch.setenv("DISTREF_LAUNCHED_AT", "970.0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 30.0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarted: its own process start
+    monkeypatch.setattr(rec.sys, "argv", ["train.py"])
+    assert rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 2.0
 
 
 def test_a_run_s_wall_time_counts_its_start_up_from_the_process_start(tmp_path):
@@ -226,6 +239,34 @@ def test_checkpoint_from_another_run_is_refused(single_train, tmp_path, capsys):
 
 
 # ---- resume: what each option may do (README, "Resuming") ------------------------------------------
+
+
+@pytest.mark.faults
+def test_a_checkpoint_of_another_text_file_is_refused(single_train, tmp_path, capsys):
+    """--dataset text: the file is the data (the report compares it as such): resuming on another file is
+    another run, refused in one line (a file with another vocabulary would fail on the embedding's shape)."""
+    for name, letters in (("a.txt", "abcdefgh"), ("b.txt", "hgfedcba")):
+        (tmp_path / name).write_text((letters * 40 + "\n") * 10)
+    args = [
+        "--model",
+        "gpt",
+        "--dataset",
+        "text",
+        "--global-batch-size",
+        "16",
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
+    single_train.main(
+        [*args, "--data-root", str(tmp_path / "a.txt"), "--steps", "2", "--checkpoint-every", "2"]
+    )
+    with pytest.raises(SystemExit) as exc:
+        single_train.main([*args, "--data-root", str(tmp_path / "b.txt"), "--steps", "4", "--resume", "auto"])
+    assert exc.value.code == 2
+    assert (
+        f"is from a different run (--data-root {tmp_path / 'a.txt'} vs {tmp_path / 'b.txt'})"
+        in capsys.readouterr().err
+    )
 
 
 def test_lr_schedule_is_a_function_of_the_step():

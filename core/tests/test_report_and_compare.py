@@ -238,6 +238,19 @@ def test_every_option_that_defines_a_run_defines_the_workload(compared, tmp_path
         build_report([out / "single", other], tmp_path / "refused")
 
 
+def test_two_runs_of_one_impl_on_different_workloads_are_refused(compared, tmp_path):
+    """Two runs of single share a label: each still counts (they once collapsed into one, and any two
+    single runs were reported side by side)."""
+    out, _ = compared
+    for name, layers in (("a", 2), ("b", 3)):
+        shutil.copytree(out / "single", tmp_path / name)
+        record = json.loads((tmp_path / name / "record.json").read_text())
+        record["config"]["gpt_layers"] = layers
+        (tmp_path / name / "record.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match=re.escape("--gpt-layers: single ×1=2, single ×1=3")):
+        build_report([tmp_path / "a", tmp_path / "b"], tmp_path / "refused")
+
+
 def test_a_text_file_is_part_of_the_workload_and_a_dataset_folder_is_not(compared, tmp_path):
     out, _ = compared
     for dataset, root, refused in [("mnist", "/elsewhere", False), ("text", "/other.txt", True)]:

@@ -35,7 +35,7 @@ from distref.checkpoint import (
     resume_path,
     save_checkpoint,
 )
-from distref.config import RunConfig, fail, parse_config, under_torchrun, uses_cuda
+from distref.config import RunConfig, fail, parse_config, positive_float, under_torchrun, uses_cuda
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.dist import (
     all_reduce_mean,
@@ -76,7 +76,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-cap-mb",
         metavar="MB",
-        type=float,
+        type=positive_float,
         default=25.0,
         help="gradient bucket size: bigger = fewer all-reduces, later overlap",
     )

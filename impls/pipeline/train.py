@@ -430,10 +430,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"{IMPL}: {schedule_name}, {n_micro} micro-batches, {dp} pipeline(s) × {p} ranks × {v} "
             f"stage(s); cut at {cuts} ({how}): {shown}"
         )
-    model.to(device)  # whole, for a moment: one example forward gives every stage its shapes
+    # One example forward of the whole model on the device gives every stage its shapes; then only this
+    # rank's stages stay there.
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
-    examples = stage_examples(model, bounds, micro_batch, cfg, device)
-    stage_modules = {s: BlockModel(OrderedDict(blocks[slice(*bounds[s])])) for s in sorted(my_stages)}
+    examples = stage_examples(model.to(device), bounds, micro_batch, cfg, device)
+    model.to("cpu")
+    stage_modules = {
+        s: BlockModel(OrderedDict(blocks[slice(*bounds[s])])).to(device) for s in sorted(my_stages)
+    }
     for module in stage_modules.values():
         module.activation_checkpointing = cfg.activation_checkpointing
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))

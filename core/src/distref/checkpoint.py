@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from distref.config import RUN_DEFINING_OPTIONS, RunConfig, is_first_rank
+from distref.config import RUN_DEFINING_OPTIONS, RunConfig, defining_value, is_first_rank
 from distref.training import at_least_fp32, lr_factor
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
@@ -131,7 +131,7 @@ def load_checkpoint(path: str | Path, cfg: RunConfig, total_steps: int) -> dict[
     # Options a checkpoint predates (e.g. gpt_layers, added in core 0.3.0) had their default value then.
     defaults = options(RunConfig().to_dict())
     saved, current = {**defaults, **options(state.get("config", {}))}, options(cfg.to_dict())
-    different = [k for k in MUST_MATCH if saved.get(k) != current[k]]
+    different = [k for k in MUST_MATCH if defining_value(saved, k) != defining_value(current, k)]
     if different:
         diffs = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} vs {current[k]}" for k in different)
         raise CheckpointError(f"checkpoint {path} is from a different run ({diffs})")

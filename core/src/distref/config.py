@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -81,7 +82,17 @@ RUN_DEFINING_OPTIONS = (
     "lr_schedule",
     "weight_decay",
     "precision",
+    "data_root",  # for --dataset text only, the file (the others are named by --dataset: defining_value)
 )
+
+
+def defining_value(options: dict[str, Any], key: str) -> Any:
+    """What option `key` of a run with these (flat) options says about which run it is: its value, the
+    default for options older runs predate, and None for the folder a named dataset lies in (MNIST and
+    Fashion-MNIST are md5-checked wherever they are; a text file is the data itself)."""
+    if key == "data_root" and options.get("dataset") != "text":
+        return None
+    return options.get(key, RunConfig.__dataclass_fields__[key].default)
 
 
 def is_first_rank() -> bool:
@@ -115,8 +126,8 @@ def _non_negative_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -133,8 +144,8 @@ def _seed(text: str) -> int:
 def positive_float(text: str) -> float:
     """An argparse type: a number > 0 (impls use it for their own options too)."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -365,7 +376,7 @@ def parse_config(
     elif world_size is None and distributed:
         given = [f"--{k.replace('_', '-')}" for k in LAUNCH_OPTIONS if launch[k]]
         if given and one_process is not None and (why := one_process(cfg)):
-            parser.error(f"{' and '.join(given)} start ranks, but {why}: drop {' and '.join(given)}")
+            parser.error(f"{' and '.join(given)} are for runs of several ranks, but {why}: drop them")
         world_size = launch["nproc_per_node"] or default_ranks(cfg)
         cfg.extra.update(nproc_per_node=world_size, max_restarts=launch["max_restarts"])
     shards = (world_size or 1) if splits_batch else 1
@@ -408,6 +419,8 @@ def folder_problem(option: str, folder: Path, writes: bool = True) -> str | None
     """A folder the run writes (--out, --checkpoint-dir) must be a writable folder, or one that can be
     created: said now, not when the first file is written. --data-root (`writes=False`) may be a
     read-only folder that holds the dataset already; a missing one is created and the dataset prepared."""
+    if folder.is_symlink() and not folder.exists():
+        return f"{option} {folder}: a symbolic link to nothing ({os.readlink(folder)})"
     if folder.exists():
         if not folder.is_dir():
             return f"{option} {folder}: not a directory"

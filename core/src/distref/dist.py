@@ -28,12 +28,14 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
     module behind torchrun), then exit: `python train.py --nproc-per-node 2 ...` is exactly
     `torchrun --standalone --nproc-per-node 2 train.py ...`. The caller has validated the arguments, so
     bad input never starts a rank. Exit code 0, or 1 with one line naming the first rank that failed
-    (each rank's own error is printed above it)."""
+    (each rank's own error is printed above it); 2 where that rank exited 2, refusing something only the
+    ranks read (a checkpoint of another run, a stage file not written for its index)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from distref.config import fail
     from distref.data import DataError, prepare_dataset_files
+    from distref.record import process_started_at
 
     try:  # here, once: a missing or altered dataset is one line, before any rank or process group
         prepare_dataset_files(cfg)
@@ -54,6 +56,8 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
         # torch 2.13 honours it on a signal (Ctrl-C), not yet after a rank failed (pytorch #192815).
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
     ]
+    # The ranks' records count start-up from this process's start, not their own (distref.record.run_start).
+    os.environ["DISTREF_LAUNCHED_AT"] = str(process_started_at())
     print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
     try:
         run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
@@ -61,7 +65,7 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         sys.stderr.write(f"{impl}: rank {rank} failed ({how}); its error is above\n")
-        sys.exit(1)
+        sys.exit(2 if failure.exitcode == 2 else 1)  # 2: what the ranks refused (a checkpoint, data)
     sys.exit(0)
 
 

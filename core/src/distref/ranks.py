@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import io
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -75,6 +76,10 @@ def workload_problem(train: Path, args: Sequence[str], ranks: int) -> str | None
 def fitting_world_size(train: Path, args: Sequence[str], devices: int) -> tuple[int | None, str]:
     """The most ranks, one per device and at most `devices`, that the impl accepts for `args` (checked
     on the CPU: the workload's rules, not the devices), and a line that says so and why not more."""
+    with open(train.parent / "pyproject.toml", "rb") as f:
+        launcher = tomllib.load(f).get("tool", {}).get("distref", {}).get("launcher", "python")
+    if launcher != "torchrun":
+        return 1, "1 process: this impl starts no ranks (DataParallel drives every GPU from one)"
     cpu_args = [*args, "--device", "cpu"]
     ranks, refused = largest_fitting(devices, lambda n: workload_problem(train, cpu_args, n))
     if ranks is None:
@@ -100,6 +105,8 @@ def cuda_problem(
     # Kernels for sm_XY run on X.Y and later minors of X; PTX for compute_XY is compiled for any later GPU.
     arch = capability[0] * 10 + capability[1]
     built = [(a.split("_")[0], int(a.split("_")[1])) for a in arch_list if a.split("_")[-1].isdigit()]
+    if not built:  # another kind of list (ROCm's gfx names): not checked here
+        return None
     runs = [
         k
         for kind, k in built
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if ns.train is None or ns.gpus is None:
         parser.error("give TRAIN --gpus N [-- OPTIONS], or --cuda")
+    if ns.gpus < 1:
+        parser.error(f"--gpus must be >= 1, got {ns.gpus}")
     ranks, said = fitting_world_size(ns.train, run_args, ns.gpus)
     if ranks is None:
         sys.exit(f"{ns.train.parent.name}: {said}")

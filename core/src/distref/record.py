@@ -82,12 +82,25 @@ _IMPORTED_AT = time.perf_counter()
 
 
 def run_start() -> float:
-    """When this run started, in time.perf_counter(): the process's start for the first run of a process
-    (`python train.py`, each torchrun rank: the interpreter and imports count), else the parse_config
-    call that began it (main() called again in one process: tests, notebooks)."""
-    if len(PARSE_TIMES) > 1:
-        return PARSE_TIMES[-1]
-    return time.perf_counter() - seconds_since_process_start()
+    """When this run started, in time.perf_counter(), so that start-up counts what the user waited for:
+    - a rank started by `python train.py --nproc-per-node N` (its first attempt): the launcher's start,
+      which it passes on (DISTREF_LAUNCHED_AT, seconds since the epoch): its imports and checks count;
+    - a process started to run a train.py (`python train.py`, torchrun's ranks, a restarted rank): its
+      own start, the interpreter and imports included;
+    - main() called in a process that does other things (a notebook, a test): the parse_config call that
+      began this run."""
+    first_run = len(PARSE_TIMES) <= 1
+    launched = os.environ.get("DISTREF_LAUNCHED_AT")
+    if first_run and launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return time.perf_counter() - (time.time() - float(launched))
+    if first_run and Path(sys.argv[0]).name == "train.py":
+        return time.perf_counter() - seconds_since_process_start()
+    return PARSE_TIMES[-1] if PARSE_TIMES else time.perf_counter()
+
+
+def process_started_at() -> float:
+    """This process's start, in seconds since the epoch (for DISTREF_LAUNCHED_AT)."""
+    return time.time() - seconds_since_process_start()
 
 
 def seconds_since_process_start() -> float:

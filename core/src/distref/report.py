@@ -21,21 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distref.config import RUN_DEFINING_OPTIONS, RunConfig
+from distref.config import RUN_DEFINING_OPTIONS, defining_value
 from distref.parity import max_relative_difference
 from distref.record import load_record
 
 # Options that define the workload: two runs are compared only if these are equal. What defines a run
-# (as for resuming it), its length and target, and the data file of --dataset text (the other datasets
-# are named by --dataset alone: MNIST and Fashion-MNIST are md5-checked wherever they lie).
-WORKLOAD_KEYS = (*RUN_DEFINING_OPTIONS, "epochs", "steps", "target_accuracy", "data_root")
-
-
-def workload_value(cfg: dict[str, Any], key: str) -> Any:
-    """What `key` says about the workload of a run with options `cfg` (a record's "config")."""
-    if key == "data_root" and cfg.get("dataset") != "text":
-        return None  # the folder a dataset lies in is not part of the workload
-    return cfg.get(key, RunConfig.__dataclass_fields__[key].default)  # older records: the default then
+# (as for resuming it: the model, the data, the optimizer's trajectory), and its length and target.
+WORKLOAD_KEYS = (*RUN_DEFINING_OPTIONS, "epochs", "steps", "target_accuracy")
 
 
 TARGET_NOTE = (
@@ -145,10 +137,10 @@ def load_runs(paths: Sequence[str | Path]) -> list[Run]:
 
 def describe_workload(cfg: dict[str, Any]) -> str:
     length = f"{cfg['steps']} steps" if cfg.get("steps") else f"{cfg.get('epochs')} epoch(s)"
-    model = f"gpt ({workload_value(cfg, 'gpt_layers')} layers)" if cfg["model"] == "gpt" else cfg["model"]
+    model = f"gpt ({defining_value(cfg, 'gpt_layers')} layers)" if cfg["model"] == "gpt" else cfg["model"]
     return (
         f"{model} on {cfg['dataset']}, {length}, global batch {cfg['global_batch_size']}, "
-        f"{cfg['optimizer']} lr {cfg['lr']} {workload_value(cfg, 'lr_schedule')}, {cfg['precision']}, "
+        f"{cfg['optimizer']} lr {cfg['lr']} {defining_value(cfg, 'lr_schedule')}, {cfg['precision']}, "
         f"seed {cfg['seed']}"
     )
 
@@ -162,13 +154,14 @@ def workload_differences(runs: list[Run]) -> list[str]:
     """One line per workload option on which the runs disagree (empty when comparable). Threads per rank
     count too: one run with 2 threads beside another with 1 compares the thread pools, not the strategies."""
     lines = []
+    # Two runs may share a label (two runs of single): each run is one entry, named by its label.
     for key in WORKLOAD_KEYS:
-        values = {run.label: workload_value(run.record["config"], key) for run in runs}
-        if len(set(map(repr, values.values()))) > 1:
-            lines.append(f"--{key.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
-    threads = {run.label: run.record["environment"].get("threads_per_rank") for run in runs}
-    if len(set(threads.values())) > 1:
-        lines.append("threads per rank: " + ", ".join(f"{k}={v}" for k, v in threads.items()))
+        values = [(run.label, defining_value(run.record["config"], key)) for run in runs]
+        if len({repr(v) for _, v in values}) > 1:
+            lines.append(f"--{key.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in values))
+    threads = [(run.label, run.record["environment"].get("threads_per_rank")) for run in runs]
+    if len({t for _, t in threads}) > 1:
+        lines.append("threads per rank: " + ", ".join(f"{k}={v}" for k, v in threads))
     return lines
 
 
@@ -371,7 +364,7 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 "time to target (s)",
                 "at step",
                 "of which training (s)",
-                "start-up before it (s)",
+                "start-up (s)",
             ],
             target,
         ),

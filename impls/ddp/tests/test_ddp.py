@@ -169,11 +169,11 @@ def test_plain_python_refuses_bad_input_before_starting_any_rank():
 @pytest.mark.faults
 def test_a_failing_rank_ends_the_job_in_one_line_naming_it(single_train, tmp_path):
     """A rank that fails (resuming a checkpoint of another run, which only the ranks read): the job ends,
-    exit code 1, one line naming the rank under its error."""
+    one line naming the rank under its error; exit code 2, the rank's own (bad input it found)."""
     args = ["--dataset", "synthetic", "--steps", "2", "--global-batch-size", "16"]
     single_train.main([*args, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"])
     result = python_train([*args, "--seed", "1", "--resume", str(tmp_path / "step-00000002.pt")])
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "is from a different run (--seed 0 vs 1)" in result.stderr  # the rank's own error
     assert re.search(r"ddp: rank [01] failed \(exit code 2\); its error is above\n$", result.stderr)
 
