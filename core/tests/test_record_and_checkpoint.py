@@ -117,7 +117,15 @@ def test_start_up_training_and_wall_time_are_three_clocks_summed_over_sessions(t
     # A rank that `python train.py --nproc-per-node N` started: from the launcher's start, 30 s ago.
     monkeypatch.setattr(rec.time, "time", lambda: 1000.0)
     monkeypatch.setenv("DISTREF_LAUNCHED_AT", "970.0")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert (
+        rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 5.0
+    )  # no rank: ignored
+    for name, value in {
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
     assert rec.RunRecord("single", "0", cfg, 1, torch.device("cpu"), "none").wall_time() == 30.0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarted: its own process start
     monkeypatch.setattr(rec.sys, "argv", ["train.py"])

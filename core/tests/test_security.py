@@ -560,7 +560,7 @@ def test_launched_ranks_rendezvous_on_loopback(monkeypatch):
     launched = []
 
     def elastic_launch(config, entrypoint):
-        launched.append(config)
+        launched.append((config, os.environ.get("DISTREF_LAUNCHED_AT")))
         return lambda *args: {}
 
     monkeypatch.setattr(torch_run, "elastic_launch", elastic_launch)
@@ -571,7 +571,9 @@ def test_launched_ranks_rendezvous_on_loopback(monkeypatch):
             "train.py", ["--steps", "2"], RunConfig(extra={"nproc_per_node": 2, "max_restarts": 1}), "x"
         )
     assert exit_.value.code == 0
-    (config,) = launched
+    ((config, launched_at),) = launched
+    # The ranks learn when the launcher started (their start-up counts it); this process forgets it again.
+    assert launched_at is not None and "DISTREF_LAUNCHED_AT" not in os.environ
     assert config.nproc_per_node == 2 and config.max_restarts == 1
     host = config.rdzv_endpoint.rpartition(":")[0]
     assert host == "127.0.0.1", f"rendezvous endpoint {config.rdzv_endpoint!r}, not on 127.0.0.1"

@@ -487,9 +487,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
     needs_torchvision = cfg.dataset in ROOTED_DATASETS or cfg.model == "resnet18"
     if needs_torchvision and importlib.util.find_spec("torchvision") is None:
         what = f"--model {cfg.model}" if cfg.model == "resnet18" else f"--dataset {cfg.dataset}"
-        instead = (
-            "--model lenet or gpt" if cfg.model == "resnet18" else "--dataset synthetic"
-        )  # (resnet18 is torchvision's)
+        # (resnet18 is torchvision's model: --dataset synthetic does not spare it torchvision)
+        instead = "--model lenet or gpt" if cfg.model == "resnet18" else "--dataset synthetic"
         return f"{what} needs torchvision: pip install torchvision (pinned with torch), or use {instead}"
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this torch build"

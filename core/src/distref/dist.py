@@ -56,9 +56,11 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
         # torch 2.13 honours it on a signal (Ctrl-C), not yet after a rank failed (pytorch #192815).
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
     ]
-    # The ranks' records count start-up from this process's start, not their own (distref.record.run_start).
-    os.environ["DISTREF_LAUNCHED_AT"] = str(process_started_at())
     print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
+    # The ranks' records count start-up from this process's start, not their own (distref.record.run_start);
+    # torch.distributed.run passes its environment on to them. Put back after: the caller may go on (tests).
+    previous = os.environ.get("DISTREF_LAUNCHED_AT")
+    os.environ["DISTREF_LAUNCHED_AT"] = str(process_started_at())
     try:
         run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
     except ChildFailedError as exc:
@@ -66,7 +68,16 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         sys.stderr.write(f"{impl}: rank {rank} failed ({how}); its error is above\n")
         sys.exit(2 if failure.exitcode == 2 else 1)  # 2: what the ranks refused (a checkpoint, data)
+    finally:
+        restore_environment("DISTREF_LAUNCHED_AT", previous)
     sys.exit(0)
+
+
+def restore_environment(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def without_launch_options(argv: list[str]) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from distref.config import PARSE_TIMES, RunConfig
+from distref.config import PARSE_TIMES, RunConfig, under_torchrun
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
@@ -91,7 +91,12 @@ def run_start() -> float:
       began this run."""
     first_run = len(PARSE_TIMES) <= 1
     launched = os.environ.get("DISTREF_LAUNCHED_AT")
-    if first_run and launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if (
+        first_run
+        and launched
+        and under_torchrun()
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
         return time.perf_counter() - (time.time() - float(launched))
     if first_run and Path(sys.argv[0]).name == "train.py":
         return time.perf_counter() - seconds_since_process_start()
