@@ -54,6 +54,14 @@ def test_existing_record_is_not_overwritten(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--out", str(tmp_path)], "single")
     assert "already holds a record.json" in capsys.readouterr().err
+    # --resume auto with no checkpoint yet starts a new run: it would write over the record as well.
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(SystemExit):
+        parse_config(["--out", str(tmp_path), "--resume", "auto", "--checkpoint-dir", str(ckpt)], "single")
+    assert "already holds a record.json" in capsys.readouterr().err
+    ckpt.mkdir()
+    (ckpt / "step-00000004.pt").write_bytes(b"")  # a checkpoint to continue: the record goes on
+    assert parse_config(["--out", str(tmp_path), "--resume", "auto", "--checkpoint-dir", str(ckpt)], "single")
     assert (tmp_path / "record.json").read_text() == "{}"
 
 

@@ -91,3 +91,13 @@ def test_compare_runs_every_impl_at_the_largest_world_every_workload_allows(monk
     )
     monkeypatch.setattr(compare, "cuda_gpus", lambda: (3, "3 × a GPU"))
     assert compare.default_world_size(available, ["single", "ddp"], LENET) == 2
+
+
+def test_a_workload_only_cuda_runs_is_fitted_on_the_gpus(monkeypatch):
+    """fp16 needs CUDA: asked on a GPU machine (faked), the counts are judged with the run's own device."""
+    import distref.config
+
+    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = ["--dataset", "synthetic", "--precision", "fp16", "--global-batch-size", "16"]
+    assert ranks.fitting_world_size(ROOT / "impls" / "ddp" / "train.py", args, 2)[0] == 2

@@ -36,7 +36,7 @@ from distref.checkpoint import (
     resume_path,
     save_checkpoint,
 )
-from distref.config import fail, parse_config
+from distref.config import RunConfig, fail, parse_config
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.monitor import profiler, progress_bar, tensorboard_writer
@@ -94,11 +94,18 @@ class DataParallelWithAutocast(nn.DataParallel):
         return super().parallel_apply(wrapped, inputs, kwargs)
 
 
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    """nn.DataParallel takes every visible GPU whatever the run's device: on the CPU, hide them."""
+    if cfg.device == "cpu" and torch.cuda.is_available():
+        return "--device cpu: nn.DataParallel would take the visible GPUs anyway; hide them (CUDA_VISIBLE_DEVICES=)"
+    return None
+
+
 # --- end DataParallel ---
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv, IMPL, description=__doc__)
+    cfg = parse_config(argv, IMPL, check=check_options, description=__doc__)
     configure_cpu_threads()
     device = pick_device(cfg.device)
 

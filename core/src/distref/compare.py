@@ -102,10 +102,9 @@ def default_world_size(available: dict[str, dict], chosen: list[str], run_args: 
             print(f"compare: {said}", flush=True)
         return 2
     trains = [available[i]["train"] for i in chosen if available[i]["launcher"] == "torchrun"]
-    cpu_args = [*run_args, "--device", "cpu"]  # the workload's rules, not this machine's devices
 
     def problem_at(ranks: int) -> str | None:
-        problems = [f"{t.parent.name}: {p}" for t in trains if (p := workload_problem(t, cpu_args, ranks))]
+        problems = [f"{t.parent.name}: {p}" for t in trains if (p := workload_problem(t, run_args, ranks))]
         return "; ".join(problems) or None
 
     ranks, refused = largest_fitting(gpus, problem_at)

@@ -507,7 +507,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
             return f"--resume: {problem}"
     if (cfg.profile or cfg.tensorboard) and not cfg.out:
         return "--profile and --tensorboard write under --out; give --out DIR"
-    if cfg.out and cfg.resume is None and (Path(cfg.out) / "record.json").exists():
+    if cfg.resume == "auto" and cfg.checkpoint_dir:
+        from distref.checkpoint import checkpoints  # (it imports this module)
+
+        starts_over = not checkpoints(cfg.checkpoint_dir)  # --resume auto without a checkpoint: a new run
+    else:
+        starts_over = cfg.resume is None
+    if cfg.out and starts_over and (Path(cfg.out) / "record.json").exists():
         return (
             f"--out {cfg.out} already holds a record.json; choose another --out, or continue that run "
             "with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"

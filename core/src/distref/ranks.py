@@ -74,14 +74,15 @@ def workload_problem(train: Path, args: Sequence[str], ranks: int) -> str | None
 
 
 def fitting_world_size(train: Path, args: Sequence[str], devices: int) -> tuple[int | None, str]:
-    """The most ranks, one per device and at most `devices`, that the impl accepts for `args` (checked
-    on the CPU: the workload's rules, not the devices), and a line that says so and why not more."""
+    """The most ranks, one per device and at most `devices`, that the impl accepts for `args`, and a line
+    that says so and why not more."""
     with open(train.parent / "pyproject.toml", "rb") as f:
         launcher = tomllib.load(f).get("tool", {}).get("distref", {}).get("launcher", "python")
     if launcher != "torchrun":
         return 1, "1 process: this impl starts no ranks (DataParallel drives every GPU from one)"
-    cpu_args = [*args, "--device", "cpu"]
-    ranks, refused = largest_fitting(devices, lambda n: workload_problem(train, cpu_args, n))
+    # The run's own options, device included: on the GPU machine this is asked on, each count up to its GPUs
+    # passes the device checks, and what refuses a count is the workload (fp16 needs the CUDA it has).
+    ranks, refused = largest_fitting(devices, lambda n: workload_problem(train, args, n))
     if ranks is None:
         return None, f"no rank count up to {devices} fits this workload: " + "; ".join(refused)
     why = f"; not more: {'; '.join(refused)}" if refused else ""

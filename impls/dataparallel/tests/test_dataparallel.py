@@ -80,6 +80,15 @@ def test_each_replica_computes_in_the_run_s_precision_in_its_own_thread(datapara
     assert dtypes == [torch.bfloat16, torch.bfloat16]
 
 
+def test_the_cpu_is_refused_where_gpus_are_visible(dataparallel_train, monkeypatch, capsys):
+    """nn.DataParallel takes every visible GPU whatever --device says: refused in one line there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as exc:
+        dataparallel_train.main(["--device", "cpu", "--dataset", "synthetic"])
+    assert exc.value.code == 2
+    assert "nn.DataParallel would take the visible GPUs anyway" in capsys.readouterr().err
+
+
 def test_says_in_one_line_that_it_does_not_parallelise_without_gpus(tmp_path):
     result = run_script(
         [
