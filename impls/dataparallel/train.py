@@ -105,7 +105,7 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv, IMPL, check=check_options, description=__doc__)
+    cfg = parse_config(argv, IMPL, check=check_options, description=__doc__)  # --- DataParallel: its check
     configure_cpu_threads()
     device = pick_device(cfg.device)
 
