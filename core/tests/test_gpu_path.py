@@ -3,8 +3,8 @@ crosses gather_object. What only a GPU can show is listed in the impl READMEs as
 
 import torch
 
-import distref.dist
-from distref.config import parse_config
+import distref.distributed.collectives
+from distref.cli import parse_config
 from distref.record import RunRecord
 
 
@@ -61,13 +61,15 @@ def test_tensors_cross_gather_object_as_cpu_tensors(monkeypatch):
             return torch.Tensor._make_subclass(torch.Tensor, self.as_subclass(torch.Tensor))
 
     sent = []
-    monkeypatch.setattr(distref.dist.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(distref.dist.dist, "gather_object", lambda obj, gathered, dst: sent.append(obj))
+    monkeypatch.setattr(distref.distributed.collectives.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(
+        distref.distributed.collectives.dist, "gather_object", lambda obj, gathered, dst: sent.append(obj)
+    )
     state = {
         "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(2).as_subclass(OnADevice)}}},
         "step": 3,
     }
-    distref.dist.gather_to_rank0(state, world_size=2)
+    distref.distributed.collectives.gather_to_rank0(state, world_size=2)
     buffer = sent[0]["optimizer"]["state"][0]["momentum_buffer"]
     assert type(buffer) is torch.Tensor and sent[0]["step"] == 3
 
@@ -76,7 +78,7 @@ def test_busy_and_waiting_time_on_cuda_are_read_from_stream_events(monkeypatch):
     """On a GPU the host only enqueues work (and NCCL's wait() blocks the stream, not the host): the
     intervals are CUDA events, read once the stream has passed them. Faked here: each event is stamped
     with a stream clock that runs ahead of the host's."""
-    from distref.monitor import IntervalTimer
+    from distref.training import IntervalTimer
 
     stream_clock = [0.0]
     synchronized = []

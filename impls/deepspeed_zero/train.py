@@ -33,19 +33,10 @@ import torch
 import torch.distributed as dist  # --- ZERO ---
 
 from distref import impl_version
-from distref.checkpoint import (
-    CheckpointError,
-    check_listed_files,
-    checkpoint_path,
-    describe_resume,
-    folder_hashes,
-    load_checkpoint,
-    resume_path,
-    save_checkpoint,
-)
-from distref.config import RunConfig, fail, parse_config, positive_float, under_torchrun, uses_cuda
+from distref.cli import parse_config
+from distref.config import RunConfig, fail, positive_float, under_torchrun, uses_cuda
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
-from distref.dist import (
+from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
@@ -55,21 +46,32 @@ from distref.dist import (
     torchrun_env,
 )
 from distref.models import build_model
-from distref.monitor import profiler, progress_bar, tensorboard_writer
 from distref.record import RunRecord, print_summary
 from distref.training import (
+    CheckpointError,
+    check_listed_files,
+    checkpoint_path,
     configure_cpu_threads,
+    describe_resume,
     evaluate,
+    folder_hashes,
+    load_checkpoint,
     loss_fn,
     make_lr_schedule,
     make_optimizer,
     param_dtype,
     pick_device,
+    profiler,
+    progress_bar,
+    resume_path,
+    save_checkpoint,
     seed_everything,
     stop_if_diverged,
     synchronize,
+    tensorboard_writer,
     total_steps,
 )
+from distref.training.measure import zero_model_state_bytes
 
 IMPL = "deepspeed_zero"
 VERSION = impl_version(__file__)
@@ -212,57 +214,6 @@ def deepspeed_gathered(params, stage: int):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(params)) if stage == 3 else contextlib.nullcontext()
-
-
-def zero_model_state_bytes(engine, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of model state this rank holds, by kind, measured on the tensors (each storage once).
-
-    parameters: what the module's parameters hold here (stage 3: the rank's partition only);
-    optimizer: the torch optimizer's states plus the flat fp32 master partitions it steps (ZeRO 1-3
-    keep those even in fp32, beside the parameters); gradients: the gradient tensors and DeepSpeed's gradient
-    buffers/partitions found on the ZeRO optimizer. Call after the last backward of a step, before
-    engine.step() (DeepSpeed frees gradients inside step)."""
-    seen: set[int] = set()
-
-    def new_bytes(tensor: torch.Tensor) -> int:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-
-    params = list(engine.module.parameters())
-    held = {"parameters": 0, "gradients": 0, "optimizer": 0}
-    for p in params:
-        # Stage 3: the partition (ds_tensor), plus the whole tensor where it is present between uses (a
-        # "persistent" one, below stage3_param_persistence_threshold); released ones hold no storage.
-        held["parameters"] += new_bytes(p) + (new_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
-    # Keyed by the tensors the optimizer steps: the flat fp32 partitions under ZeRO (stage 3 swaps them into
-    # param_groups only while stepping, so param_groups may be empty now).
-    for master, state in optimizer.state.items():
-        held["optimizer"] += new_bytes(master)
-        held["optimizer"] += sum(new_bytes(t) for t in state.values() if torch.is_tensor(t))
-    for p in params:
-        held["gradients"] += new_bytes(p.grad) if p.grad is not None else 0
-    for master in optimizer.state:
-        held["gradients"] += new_bytes(master.grad) if master.grad is not None else 0
-
-    def walk(obj, depth: int) -> None:  # DeepSpeed's own gradient buffers, held by its optimizer
-        if torch.is_tensor(obj):
-            held["gradients"] += new_bytes(obj)
-        elif depth and isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item, depth - 1)
-        elif depth and isinstance(obj, dict):
-            for item in obj.values():
-                walk(item, depth - 1)
-
-    zero_optimizer = engine.optimizer
-    if zero_optimizer is not optimizer:
-        for name, value in vars(zero_optimizer).items():
-            if "grad" in name or "ipg" in name:
-                walk(value, 3)
-    return held
 
 
 # --- end ZERO options ---

@@ -30,20 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distref import impl_version
-from distref.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    describe_resume,
-    full_state_dict,
-    load_checkpoint,
-    load_sharded_checkpoint,
-    resume_path,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
-from distref.config import RunConfig, fail, parse_config, under_torchrun
+from distref.cli import parse_config
+from distref.config import RunConfig, fail, under_torchrun
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
-from distref.dist import (
+from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
@@ -53,12 +43,17 @@ from distref.dist import (
     torchrun_env,
 )
 from distref.models import build_model
-from distref.monitor import profiler, progress_bar, tensorboard_writer
 from distref.record import RunRecord, print_summary
 from distref.training import (
+    CheckpointError,
     autocast,
+    checkpoint_path,
     configure_cpu_threads,
+    describe_resume,
     evaluate,
+    full_state_dict,
+    load_checkpoint,
+    load_sharded_checkpoint,
     loss_fn,
     make_grad_scaler,
     make_lr_schedule,
@@ -66,9 +61,15 @@ from distref.training import (
     model_state_bytes,
     param_dtype,
     pick_device,
+    profiler,
+    progress_bar,
+    resume_path,
+    save_checkpoint,
+    save_sharded_checkpoint,
     seed_everything,
     stop_if_diverged,
     synchronize,
+    tensorboard_writer,
     total_steps,
 )
 

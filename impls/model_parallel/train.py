@@ -33,17 +33,10 @@ import torch
 import torch.distributed as dist  # --- MODEL PARALLEL ---
 
 from distref import impl_version
-from distref.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    describe_resume,
-    load_checkpoint,
-    resume_path,
-    save_checkpoint,
-)
-from distref.config import RunConfig, fail, parse_config, under_torchrun
+from distref.cli import parse_config
+from distref.config import RunConfig, fail, under_torchrun
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
-from distref.dist import (
+from distref.distributed import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     gather_to_rank0,
@@ -53,13 +46,17 @@ from distref.dist import (
     send_tensor,
     torchrun_env,
 )
+from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.models import BlockModel, build_model
-from distref.monitor import IntervalTimer, profiler, progress_bar, tensorboard_writer
-from distref.partition import choose_cut_points, part_bounds
 from distref.record import RunRecord, print_summary
 from distref.training import (
+    CheckpointError,
+    IntervalTimer,
     autocast,
+    checkpoint_path,
     configure_cpu_threads,
+    describe_resume,
+    load_checkpoint,
     loss_fn,
     make_grad_scaler,
     make_lr_schedule,
@@ -67,10 +64,15 @@ from distref.training import (
     model_state_bytes,
     param_dtype,
     pick_device,
+    profiler,
+    progress_bar,
+    resume_path,
+    save_checkpoint,
     score,
     seed_everything,
     stop_if_diverged,
     synchronize,
+    tensorboard_writer,
     total_steps,
     unwrap_state_dict,
 )
@@ -147,7 +149,7 @@ class Links:
 
 def send_activation(tensor: torch.Tensor, links: Links) -> None:
     """To the next part: shape and dtype first (micro-batches and eval batches differ in size; autocast
-    changes the dtype), then the data (distref.dist.send_tensor)."""
+    changes the dtype), then the data (distref.distributed.send_tensor)."""
     links.bytes_sent += send_tensor(tensor, links.after)
 
 

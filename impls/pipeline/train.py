@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist  # --- PIPELINE ---
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -53,19 +52,10 @@ from torch.distributed.pipelining import (
 )
 
 from distref import impl_version
-from distref.checkpoint import (
-    CheckpointError,
-    check_listed_files,
-    checkpoint_path,
-    describe_resume,
-    file_sha256,
-    load_checkpoint,
-    resume_path,
-    save_checkpoint,
-)
-from distref.config import RunConfig, fail, parse_config, positive_int, under_torchrun
+from distref.cli import parse_config
+from distref.config import RunConfig, fail, positive_int, under_torchrun
 from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
-from distref.dist import (
+from distref.distributed import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     gather_to_rank0,
@@ -75,13 +65,19 @@ from distref.dist import (
     send_tensor,
     torchrun_env,
 )
+from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.models import BlockModel, build_model
-from distref.monitor import IntervalTimer, profiler, progress_bar, tensorboard_writer
-from distref.partition import choose_cut_points, part_bounds
 from distref.record import RunRecord, print_summary
 from distref.training import (
+    CheckpointError,
+    IntervalTimer,
     autocast,
+    check_listed_files,
+    checkpoint_path,
     configure_cpu_threads,
+    describe_resume,
+    file_sha256,
+    load_checkpoint,
     loss_fn,
     make_grad_scaler,
     make_lr_schedule,
@@ -89,10 +85,15 @@ from distref.training import (
     model_state_bytes,
     param_dtype,
     pick_device,
+    profiler,
+    progress_bar,
+    resume_path,
+    save_checkpoint,
     score,
     seed_everything,
     stop_if_diverged,
     synchronize,
+    tensorboard_writer,
     total_steps,
     unwrap_state_dict,
 )
@@ -207,64 +208,6 @@ def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
     if schedule in V_SHAPED:
         return [pp_rank, 2 * p - 1 - pp_rank]
     return [pp_rank + k * p for k in range(v)]
-
-
-class TimedStage(PipelineStage):
-    """A PipelineStage that adds up the time it computes (forward, backward, weight gradients). The rest of
-    a rank's time in `schedule.step` it waits on its neighbours or runs the schedule itself: the bubble,
-    measured (the optimizer step, outside the schedule, is not counted either way). On a GPU both are
-    CUDA events on the stream (IntervalTimer): a host clock sees NCCL's waits as no time."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.busy = IntervalTimer(self.device)
-
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.busy.measure():
-            return super().forward_one_chunk(*args, **kwargs)
-
-    def backward_one_chunk(self, *args, **kwargs):
-        with self.busy.measure():
-            return super().backward_one_chunk(*args, **kwargs)
-
-    def backward_weight_one_chunk(self, *args, **kwargs):
-        with self.busy.measure():
-            return super().backward_weight_one_chunk(*args, **kwargs)
-
-
-class SavedActivations:
-    """Bytes of activations autograd holds for backward (parameters excluded): `live` now, `peak` the most
-    a step added on top of what was held when it started — what GPipe (M micro-batches in flight) and
-    1F1B (at most p) differ in. Its pack/unpack go to torch.autograd.graph.saved_tensors_hooks around
-    each step; a saved tensor counts until autograd drops it. (Measured from the second step on, as the
-    throughput is: the first pays for warm-up.)"""
-
-    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
-        self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
-        self.live = self.at_step_start = self.peak = 0
-
-    def pack(self, tensor: torch.Tensor):
-        if tensor.untyped_storage().data_ptr() in self.parameter_storages:
-            return tensor
-        return _Saved(tensor, self)
-
-    @staticmethod
-    def unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-
-class _Saved:
-    """One saved activation: counted from when autograd saves it until it lets it go."""
-
-    __slots__ = ("meter", "nbytes", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, meter: SavedActivations):
-        self.tensor, self.meter, self.nbytes = tensor, meter, tensor.numel() * tensor.element_size()
-        meter.live += self.nbytes
-        meter.peak = max(meter.peak, meter.live - meter.at_step_start)
-
-    def __del__(self):
-        self.meter.live -= self.nbytes
 
 
 def all_reduce_gradients(

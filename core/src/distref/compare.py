@@ -24,11 +24,15 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 
-from distref.config import OneLineErrorParser, RunConfig, parse_config, with_defaults
-from distref.ranks import cuda_gpus, largest_fitting, load_train_module, parse_as, workload_problem
+from distref import impl_version
+from distref.config import OneLineErrorParser, with_defaults
+from distref.impl_folders import discover, validate
+from distref.parity import SHORT_STEPS, exact_parity
+from distref.ranks import cuda_gpus, largest_fitting, workload_problem
+from distref.record import RunRecord, load_record
+from distref.report import build_report
 
 DEFAULT_WORKLOAD = {
     "--model": "lenet",
@@ -46,20 +50,6 @@ DEFAULT_WORKLOAD = {
 }
 
 
-def discover(impls_dir: Path) -> dict[str, dict]:
-    """impl name -> its [tool.distref] settings, for every impls/<name>/train.py."""
-    found = {}
-    for train in sorted(impls_dir.glob("*/train.py")):
-        with open(train.parent / "pyproject.toml", "rb") as f:
-            settings = tomllib.load(f).get("tool", {}).get("distref", {})
-        found[train.parent.name] = {
-            "train": train,
-            "launcher": settings.get("launcher", "python"),
-            "models": settings.get("models"),  # None: every model; else the only ones it trains
-        }
-    return found
-
-
 def made_for_the_model(
     available: dict[str, dict], chosen: list[str], run_args: list[str]
 ) -> tuple[list[str], list[tuple[str, str]]]:
@@ -75,16 +65,6 @@ def made_for_the_model(
         if available[impl]["models"] and model not in available[impl]["models"]
     }
     return [impl for impl in chosen if impl not in left_out], list(left_out.items())
-
-
-def validate(impl: str, train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
-    """Parse `args` as the impl's train.py would (its own options and checks included); exit 2 if bad."""
-    if distributed:
-        return parse_as(train, args, world_size)
-    module = load_train_module(train)
-    return parse_config(
-        args, impl, getattr(module, "add_options", None), 1, getattr(module, "check_options", None)
-    )
 
 
 def default_world_size(available: dict[str, dict], chosen: list[str], run_args: list[str]) -> int:
@@ -210,9 +190,6 @@ def main(argv: list[str] | None = None) -> None:
             # The run died before writing its record (torchrun failure, crash at start-up): say so.
             import torch
 
-            from distref import impl_version
-            from distref.record import RunRecord
-
             record = RunRecord(
                 impl, impl_version(available[impl]["train"]), cfg, world, torch.device("cpu"), "n/a"
             )
@@ -221,8 +198,6 @@ def main(argv: list[str] | None = None) -> None:
     # Parity from the exact oracle: each impl's run, shortened to a few steps, against the single run that
     # makes the same sums (over a whole run, rounding drifts apart; the report shows that drift apart).
     import json
-
-    from distref.parity import SHORT_STEPS, exact_parity
 
     print(f"\nparity: each impl against its exact oracle ({SHORT_STEPS} steps)", flush=True)
     references: dict = {}
@@ -237,8 +212,6 @@ def main(argv: list[str] | None = None) -> None:
         verdict = check.get("refused") or check.get("error") or f"{check['difference']:.1e}"
         print(f"  {impl} ×{world} vs {check['oracle']} ({check['precision']}): {verdict}", flush=True)
 
-    from distref.report import build_report
-
     report = build_report([run_dir for _, _, _, run_dir, _ in plans], out, not_run=not_run)
     print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report.resolve()}")
     failed = failed_runs([(impl, run_dir) for impl, _, _, run_dir, _ in plans])
@@ -252,7 +225,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def failed_runs(runs: list[tuple[str, Path]]) -> list[tuple[str, str]]:
     """(impl, its error in one line) for each run whose record says it did not complete."""
-    from distref.record import load_record
 
     failed = []
     for impl, run_dir in runs:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from distref.data import DatasetInfo
+from distref.data.tensors import DatasetInfo
 
 
 class BatchNormStatisticsKept:

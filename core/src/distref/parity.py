@@ -39,8 +39,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from distref.compare import discover, validate
 from distref.config import OneLineErrorParser, with_defaults
+from distref.impl_folders import discover, validate
 
 FP32_TOLERANCE = 1e-5
 # Measured (README): lenet rows at most 6.8e-16. gpt with AdamW amplifies fp64 rounding far more (attention
@@ -95,7 +95,7 @@ def accumulation_of(cfg, settings: dict) -> int:
     """The run's value of the impl's accumulation option (--grad-accum, or pipeline's --microbatches)."""
     name = settings["accumulation"].lstrip("-").replace("-", "_")
     value = getattr(cfg, name, None)
-    return value if value is not None else cfg.extra[name]
+    return value if value is not None else getattr(cfg.strategy, name)
 
 
 def exact_oracle(impl: str, settings: dict, cfg, world: int) -> tuple[str, int, float]:

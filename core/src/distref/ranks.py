@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from distref.config import RunConfig, parse_config
+from distref.impl_folders import parse_as
 
 
 def largest_fitting(
@@ -36,30 +35,6 @@ def largest_fitting(
             return ranks, refused
         refused.append(f"{ranks} ranks: {problem}")
     return None, refused
-
-
-def load_train_module(train: Path):
-    """An impl's train.py as a module (train.py files are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"distref_ranks_{train.parent.name}", train)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def parse_as(train: Path, args: Sequence[str], ranks: int) -> RunConfig:
-    """Parse `args` exactly as the impl's train.py does for `ranks` ranks (its own options, its checks,
-    how its ranks share the batch): one line and exit 2 if bad."""
-    module = load_train_module(train)
-    return parse_config(
-        list(args),
-        train.parent.name,
-        getattr(module, "add_options", None),
-        ranks,
-        getattr(module, "check_options", None),
-        distributed=True,
-        splits_batch=getattr(module, "SPLITS_BATCH", True),
-    )
 
 
 def workload_problem(train: Path, args: Sequence[str], ranks: int) -> str | None:

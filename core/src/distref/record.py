@@ -236,6 +236,15 @@ class RunRecord:
             with open(self.out / "steps.jsonl", "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
 
+    def add_strategy_facts(self, **facts: Any) -> None:
+        """What the strategy did that the options do not say (its cut points, its DeepSpeed version, its
+        measured bubble): the record's "strategy" object."""
+        self.data["strategy"].update(facts)
+
+    def set_bubble_fraction(self, fraction: float) -> None:
+        """The share of the run a pipeline's stages sat idle (report column; null for other strategies)."""
+        self.data["bubble_fraction"] = fraction
+
     def add_skipped_step(self, step: int) -> None:
         """Optimizer step `step` (numbered as in "steps") changed nothing: fp16's loss scaler found inf/nan
         in its gradients, skipped the update and lowered the scale. A few at the start are normal (the

@@ -78,7 +78,9 @@ def _rank_main(
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # a train.py ends its ranks this way too (distref.dist.exit_without_interpreter_teardown)
+    os._exit(
+        code
+    )  # a train.py ends its ranks this way too (distref.distributed.exit_without_interpreter_teardown)
 
 
 def run_ranks(

@@ -54,7 +54,7 @@ def test_each_replica_computes_in_the_run_s_precision_in_its_own_thread(datapara
     under an fp16 autocast as torch would, compute in the run's bf16."""
     import threading
 
-    from distref.config import parse_config
+    from distref.cli import parse_config
 
     cfg = parse_config(["--precision", "bf16", "--dataset", "synthetic"], "dataparallel")
     cpu = torch.device("cpu")

@@ -35,7 +35,7 @@ from conftest import (
     torchrun,
     train_path,
 )
-from distref.config import parse_config
+from distref.cli import parse_config
 from distref.parity import FP64_TOLERANCE
 
 TRAIN = str(train_path("ddp"))

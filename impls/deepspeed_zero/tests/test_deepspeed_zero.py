@@ -24,8 +24,8 @@ from conftest import (
     self_launched,
     train_path,
 )
-from distref.checkpoint import CheckpointError, latest_checkpoint
-from distref.config import parse_config
+from distref.cli import parse_config
+from distref.training import CheckpointError, latest_checkpoint
 
 IMPL = "deepspeed_zero"
 SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]

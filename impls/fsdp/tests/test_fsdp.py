@@ -23,9 +23,9 @@ from conftest import (
     score_saved_model,
     self_launched,
 )
-from distref.checkpoint import CheckpointError, check_listed_files
-from distref.config import parse_config
+from distref.cli import parse_config
 from distref.parity import FP64_TOLERANCE
+from distref.training import CheckpointError, check_listed_files
 
 IMPL = "fsdp"
 SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]
@@ -206,9 +206,9 @@ def test_bad_input_is_one_line_before_any_process_group(argv, world, message, ca
 
 
 def test_fp16_is_refused_with_the_reason_even_where_cuda_would_take_it(monkeypatch, capsys):
-    import distref.config
+    import distref.cli
 
-    monkeypatch.setattr(distref.config, "uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(distref.cli, "uses_cuda", lambda cfg: True)
     fsdp = load_train_module(IMPL)
     with pytest.raises(SystemExit):
         parse_config(

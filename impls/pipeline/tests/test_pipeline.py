@@ -25,7 +25,7 @@ from conftest import (
     score_saved_model,
     self_launched,
 )
-from distref.config import parse_config
+from distref.cli import parse_config
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
 TIMEOUT = ["--timeout", "60"]

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from distref.data import DatasetInfo
+from distref.data.tensors import DatasetInfo
 from distref.models import build_model
 
 # A representative dataset per model: the block structure does not depend on the data's size.

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from distref.config import RUN_DEFINING_OPTIONS, RunConfig, defining_value, is_first_rank
-from distref.training import at_least_fp32, lr_factor
+from distref.training.device import at_least_fp32
+from distref.training.optim import lr_factor
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
 # A checkpoint cannot continue a run that differs in any option that defines it. (A new --lr or
@@ -257,3 +259,44 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         k: at_least_fp32(v.detach()).cpu().clone() if v.is_floating_point() else v.cpu()
         for k, v in state.items()
     }
+
+
+def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The core model's full state_dict on CPU (fp32; fp64 under --precision fp64), whatever wrapper (DDP,
+    DataParallel) holds it."""
+    inner = getattr(model, "module", model)
+    return {
+        k: at_least_fp32(v.detach()).cpu().clone() if v.is_floating_point() else v.cpu().clone()
+        for k, v in inner.state_dict().items()
+    }
+
+
+def checkpoint_state(cfg: RunConfig, done: int, n_steps: int, record: Any, **states: Any) -> dict[str, Any]:
+    """A checkpoint: the impl's `states` (model, optimizer, ...), then what every checkpoint holds: the
+    steps done and planned, this process's RNG, the record so far and the options (a resume checks them)."""
+    return {
+        **states,
+        "step": done,
+        "total_steps": n_steps,
+        "rng": torch.get_rng_state(),
+        "record": record.state(),
+        "config": cfg.to_dict(),
+    }
+
+
+def save_step_checkpoint(cfg: RunConfig, done: int, n_steps: int, record: Any, **states: Any) -> Path:
+    """`checkpoint_state` written atomically as <--checkpoint-dir>/step-<done>.pt (one file: single, ddp)."""
+    return save_checkpoint(
+        checkpoint_path(cfg.checkpoint_dir, done), checkpoint_state(cfg, done, n_steps, record, **states)
+    )
+
+
+def resume_step(state: dict[str, Any], path: Path, record: Any, impl: str, say: bool = True) -> int:
+    """After the impl has loaded its model and optimizer from `state`: the rest of a resume (the RNG, the
+    record's history, one line where `say`); the step to continue from. The data order and the lr follow
+    from the step alone."""
+    torch.set_rng_state(state["rng"])
+    record.load_state(state, path)  # the history so far, and what this session changes
+    if say:
+        print(f"{impl}: {describe_resume(path, state)}")
+    return state["step"]

@@ -4,7 +4,6 @@ trace. Each is a no-op object when disabled, so the loop has no branches for the
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 
 import torch
@@ -63,42 +62,3 @@ def profiler(cfg: RunConfig, rank: int):
         record_shapes=True,
         profile_memory=True,
     )
-
-
-class IntervalTimer:
-    """Adds up stretches of a device's work or waiting. On the CPU, the host's clock. On CUDA, events on
-    the current stream: the host only enqueues kernels, and NCCL's wait() blocks the stream, not the
-    host, so a host clock would read ~0 for a wait that idles the GPU. `seconds()` reads the events
-    (after they complete), so call it once the work is done, e.g. at the end of the run."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._seconds = 0.0
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    @contextlib.contextmanager
-    def measure(self):
-        if self.device.type != "cuda":
-            started = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._seconds += time.perf_counter() - started
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        try:
-            yield
-        finally:
-            end.record()
-            self._pending.append((start, end))
-
-    def seconds(self) -> float:
-        for start, end in self._pending:
-            end.synchronize()
-            self._seconds += start.elapsed_time(end) / 1000  # milliseconds
-        self._pending.clear()
-        return self._seconds
-
-    def reset(self) -> None:
-        self._seconds, self._pending = 0.0, []

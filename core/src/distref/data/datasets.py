@@ -1,0 +1,185 @@
+"""Every dataset a run can name (`--dataset`), loaded into memory: `load_dataset(cfg)`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import torch
+
+from distref.config import RunConfig
+from distref.data.mnist import idx_dataset, prepare_fashion_mnist, prepare_mnist
+from distref.data.tensors import IGNORE_INDEX, DataError, DatasetInfo, TensorData
+
+
+def load_cifar10(root: Path, download: bool = True):
+    """Real CIFAR-10 through torchvision (downloads where there is a network)."""
+    from torchvision.datasets import CIFAR10
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train = CIFAR10(str(root), train=True, download=download)
+            test = CIFAR10(str(root), train=False, download=download)
+    except Exception as exc:
+        raise DataError(
+            f"CIFAR-10 is not under {root}/cifar-10-batches-py and cannot be downloaded ({exc})"
+        ) from exc
+    to_tensor = lambda a: torch.from_numpy(a).permute(0, 3, 1, 2).float() / 255  # noqa: E731  NHWC uint8 -> NCHW
+    x_train, x_test = to_tensor(train.data), to_tensor(test.data)
+    mean = x_train.mean(dim=(0, 2, 3), keepdim=True)
+    std = x_train.std(dim=(0, 2, 3), keepdim=True)
+    return (
+        TensorData((x_train - mean) / std, torch.tensor(train.targets)),
+        TensorData((x_test - mean) / std, torch.tensor(test.targets)),
+        DatasetInfo("cifar10", 10, (3, 32, 32), "image"),
+    )
+
+
+# Training samples of the datasets whose size is known before loading them.
+TRAIN_SET_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "digits": 1437}
+
+
+SYNTHETIC_TRAIN_SIZES = {"image": 8192, "sequence": 20000}
+
+
+def load_digits_dataset():
+    """scikit-learn's 8×8 digits (bundled, no network), upsampled to 28×28; fixed 80/20 split."""
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16
+    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    cut = int(0.8 * len(x))
+    mean, std = x[:cut].mean(), x[:cut].std()
+    x = (x - mean) / std
+    return (
+        TensorData(x[:cut], y[:cut]),
+        TensorData(x[cut:], y[cut:]),
+        DatasetInfo("digits", 10, (1, 28, 28), "image"),
+    )
+
+
+def synthetic_images(
+    shape: tuple[int, ...],
+    n_train: int = SYNTHETIC_TRAIN_SIZES["image"],
+    n_test: int = 2048,
+    num_classes: int = 10,
+):
+    """Noisy class prototypes: learnable in a few hundred steps, independent of the run's seed."""
+    g = torch.Generator().manual_seed(1234)
+    prototypes = torch.randn(num_classes, *shape, generator=g)
+
+    def make(n: int):
+        y = torch.randint(0, num_classes, (n,), generator=g)
+        return TensorData(prototypes[y] + 1.5 * torch.randn(n, *shape, generator=g), y)
+
+    return make(n_train), make(n_test), DatasetInfo("synthetic", num_classes, shape, "image")
+
+
+SEPARATOR = 10  # token between a digit string and its reversal
+
+
+def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["sequence"], n_test: int = 2000):
+    """Sequence task for `gpt`: read `length` digits and a separator, then emit them reversed.
+
+    Only the reversed half is scored (prompt targets are IGNORE_INDEX), so token accuracy measures the
+    task itself; chance is 10%, a working transformer reaches > 95%.
+    """
+    g = torch.Generator().manual_seed(4321)
+
+    def make(n: int):
+        digits = torch.randint(0, 10, (n, length), generator=g)
+        seq = torch.cat([digits, torch.full((n, 1), SEPARATOR), digits.flip(1)], dim=1)
+        x, y = seq[:, :-1].clone(), seq[:, 1:].clone()
+        y[:, : length - 1] = IGNORE_INDEX  # positions still reading the prompt predict nothing useful
+        y[:, length - 1] = IGNORE_INDEX  # the separator is given, not predicted
+        return TensorData(x, y)
+
+    return make(n_train), make(n_test), DatasetInfo("synthetic", SEPARATOR + 1, (2 * length,), "sequence")
+
+
+def text_train_size(n_characters: int, block_size: int = 64) -> int:
+    """Training sequences a text of `n_characters` makes: whole blocks, the first 90% of them."""
+    return int(0.9 * ((n_characters - 1) // block_size))
+
+
+def train_set_size(cfg: RunConfig) -> int:
+    """Samples in the run's training set, known without loading it (the text file is read, not
+    tokenised): the config checks the global batch against it before any process starts."""
+    if cfg.dataset == "synthetic":
+        return SYNTHETIC_TRAIN_SIZES["sequence" if cfg.model == "gpt" else "image"]
+    if cfg.dataset == "text":
+        return text_train_size(len(read_text(Path(cfg.data_root))))
+    return TRAIN_SET_SIZES[cfg.dataset]
+
+
+def read_text(path: Path, block_size: int = 64) -> str:
+    """A text file to train on: UTF-8, and long enough for 10 blocks (DataError saying what is wrong)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+    if (len(text) - 1) // block_size < 10:
+        raise DataError(f"{path} is too short: need at least {10 * block_size + 1} characters")
+    return text
+
+
+def load_text(path: Path, block_size: int = 64):
+    """Character-level language modelling on any local text file; first 90% train, last 10% test."""
+    text = read_text(path, block_size)
+    vocab = sorted(set(text))
+    lookup = {ch: i for i, ch in enumerate(vocab)}
+    tokens = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
+    n_chunks = (len(tokens) - 1) // block_size
+    starts = torch.arange(n_chunks) * block_size
+    window = starts[:, None] + torch.arange(block_size + 1)
+    chunks = tokens[window]
+    x, y = chunks[:, :-1], chunks[:, 1:]
+    cut = text_train_size(len(tokens), block_size)
+    info = DatasetInfo("text", len(vocab), (block_size,), "sequence")
+    return TensorData(x[:cut], y[:cut]), TensorData(x[cut:], y[cut:]), info
+
+
+def prepare_dataset_files(cfg) -> None:
+    """Build and verify MNIST / Fashion-MNIST under --data-root (a no-op when they are there), without
+    loading them: launch_ranks calls it before any rank exists, so that a missing dataset is one line
+    (and ranks never race to build the same files)."""
+    if cfg.dataset == "mnist":
+        prepare_mnist(Path(cfg.data_root))
+    elif cfg.dataset == "fashion-mnist":
+        prepare_fashion_mnist(Path(cfg.data_root))
+
+
+def load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
+    """(train, test, info) for the run; raises DataError with an actionable message. Under
+    `--precision fp64` the inputs are float64, like the parameters (labels and tokens stay integers)."""
+    train, test, info = _load_dataset(cfg)
+    if cfg.precision == "fp64":
+        train, test = (
+            TensorData(d.x.double() if d.x.is_floating_point() else d.x, d.y) for d in (train, test)
+        )
+    return train, test, info
+
+
+def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
+    root = Path(cfg.data_root)
+    if cfg.dataset == "mnist":
+        return idx_dataset(prepare_mnist(root), "mnist")
+    if cfg.dataset == "fashion-mnist":
+        return idx_dataset(prepare_fashion_mnist(root), "fashion-mnist")
+    if cfg.dataset == "cifar10":
+        return load_cifar10(root)
+    if cfg.dataset == "digits":
+        return load_digits_dataset()
+    if cfg.dataset == "text":
+        return load_text(root)
+    if cfg.dataset == "synthetic":
+        if cfg.model == "gpt":
+            return synthetic_reverse()
+        return synthetic_images((1, 28, 28) if cfg.model == "lenet" else (3, 32, 32))
+    raise DataError(f"unknown dataset {cfg.dataset}")

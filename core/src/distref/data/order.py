@@ -1,0 +1,125 @@
+"""The data order every impl shares (what makes parity possible).
+
+For a seed and a global batch size B, optimizer step t uses the same B sample indices in every impl and at
+every world size. Epoch e = t // steps_per_epoch is a seeded permutation of the training set (seeded by
+(seed, e), so forgetting a `set_epoch` call is impossible); step t takes the next B indices of it. Each rank
+takes its contiguous slice of those B, and each gradient-accumulation micro-step its contiguous slice of
+the rank's part. `TensorData.__getitems__` hands the DataLoader a whole micro-batch at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from distref.config import RunConfig
+from distref.data.tensors import DataError, TensorData, whole_batch
+
+
+def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
+    """Full global batches per epoch; the incomplete last batch is dropped so every step has B samples."""
+    steps = num_samples // global_batch_size
+    if steps == 0:
+        raise DataError(f"global batch {global_batch_size} is larger than the training set ({num_samples})")
+    return steps
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of epoch `epoch`: a fresh generator keyed by (seed, epoch), so no state is carried
+    from one epoch to the next and nothing needs resetting (or can be forgotten)."""
+    key = hashlib.sha256(f"distref:{seed}:{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
+    return torch.randperm(num_samples, generator=generator)
+
+
+def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """The B training-set indices optimizer step `step` uses (any impl, any world size)."""
+    epoch, index = divmod(step, steps_per_epoch(num_samples, global_batch_size))
+    perm = epoch_permutation(num_samples, seed, epoch)
+    return perm[index * global_batch_size : (index + 1) * global_batch_size]
+
+
+def shard(
+    indices: torch.Tensor, rank: int, world_size: int, micro_step: int = 0, grad_accum: int = 1
+) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch, then this micro-step's slice of that."""
+    per_rank = len(indices) // world_size
+    per_micro = per_rank // grad_accum
+    start = rank * per_rank + micro_step * per_micro
+    return indices[start : start + per_micro]
+
+
+class StepBatchSampler(torch.utils.data.Sampler):
+    """Yields, for each optimizer step in [start_step, total_steps), this rank's `grad_accum` micro-batches."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        seed: int,
+        start_step: int,
+        total_steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+        grad_accum: int = 1,
+    ):
+        self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed
+        self.start_step, self.total_steps = start_step, total_steps
+        self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
+        self.steps_per_epoch = steps_per_epoch(num_samples, global_batch_size)
+
+    def __len__(self) -> int:
+        return (self.total_steps - self.start_step) * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm_epoch, perm = -1, None
+        B = self.global_batch_size
+        for step in range(self.start_step, self.total_steps):
+            epoch, index = divmod(step, self.steps_per_epoch)
+            if epoch != perm_epoch:  # one permutation per epoch, seeded by (seed, epoch)
+                perm_epoch, perm = epoch, epoch_permutation(self.num_samples, self.seed, epoch)
+            batch = perm[index * B : (index + 1) * B]
+            for micro in range(self.grad_accum):
+                yield shard(batch, self.rank, self.world_size, micro, self.grad_accum).tolist()
+
+
+def train_loader(
+    dataset: TensorData,
+    cfg: RunConfig,
+    start_step: int,
+    total_steps: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DataLoader:
+    """Micro-batches for this rank, in the shared data order, from `start_step` on (exact resume)."""
+    sampler = StepBatchSampler(
+        len(dataset),
+        cfg.global_batch_size,
+        cfg.seed,
+        start_step,
+        total_steps,
+        rank,
+        world_size,
+        cfg.grad_accum,
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=whole_batch,
+        num_workers=cfg.num_workers,
+        persistent_workers=False,
+    )
+
+
+EVAL_BATCH_SIZE = 1000  # every impl scores the test set in batches of this size
+
+
+def eval_batches(dataset: TensorData, batch_size: int = EVAL_BATCH_SIZE, rank: int = 0, world_size: int = 1):
+    """This rank's contiguous shard of the test set, in fixed order, in batches."""
+    n = len(dataset)
+    lo, hi = n * rank // world_size, n * (rank + 1) // world_size
+    for start in range(lo, hi, batch_size):
+        yield dataset.x[start : min(start + batch_size, hi)], dataset.y[start : min(start + batch_size, hi)]

@@ -1,0 +1,62 @@
+"""Collectives the impls share: tensors between two ranks with their shape, gathering to rank 0, a mean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
+_HEADER = 8  # int64s: dtype index, number of dims, up to 6 sizes
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> int:
+    """Send a tensor whose shape and dtype the receiver cannot know (batches differ in size, autocast
+    changes the dtype): a fixed-size header first, then the data. `dst` is a global rank. Returns the
+    bytes sent."""
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+    dist.send(header.to(tensor.device), dst, group=group)
+    dist.send(tensor.contiguous(), dst, group=group)
+    return header.numel() * header.element_size() + tensor.numel() * tensor.element_size()
+
+
+def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Receive what `send_tensor` sent from global rank `src`, on `device`."""
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, dims = _DTYPES[int(header[0])], int(header[1])
+    tensor = torch.empty(header[2 : 2 + dims].tolist(), dtype=dtype, device=device)
+    dist.recv(tensor, src, group=group)
+    return tensor
+
+
+def gather_to_rank0(obj: Any, world_size: int) -> list:
+    """Every rank's picklable `obj` on rank 0, as a list by rank (elsewhere empty). One process: [obj].
+    Tensors in it travel as CPU tensors: a pickled CUDA tensor would be unpickled on rank 0 onto the
+    sender's GPU index (rank 1's optimizer state onto cuda:1, from rank 0's process)."""
+    if world_size == 1:
+        return [obj]
+    obj = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, obj)
+    gathered = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered or []
+
+
+def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """In-place mean across ranks. (gloo has no ReduceOp.AVG, so SUM then divide.)"""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    tensor /= world_size
+    return tensor
+
+
+def finish_record(record: Any, global_batch_size: int, state_bytes: dict | None, world_size: int) -> None:
+    """End the run's record with every rank's peak memory and model-state bytes, gathered to rank 0 (the
+    one that writes it; elsewhere the lists stay empty)."""
+    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
+    states = gather_to_rank0(state_bytes, world_size)
+    record.finish(global_batch_size, [int(p) for p in peaks], states)

@@ -1,0 +1,91 @@
+"""Starting the ranks: `python train.py` checks the arguments, then starts them through torch's own
+launcher (torch.distributed.run), as torchrun would; each rank reads its place from torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from distref.config import RunConfig
+
+SHUTDOWN_TIMEOUT_S = 5
+
+
+def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, impl: str) -> NoReturn:
+    """Run `train_file` as `--nproc-per-node` ranks on this machine through torch.distributed.run (the
+    module behind torchrun), then exit: `python train.py --nproc-per-node 2 ...` is exactly
+    `torchrun --standalone --nproc-per-node 2 train.py ...`. The caller has validated the arguments, so
+    bad input never starts a rank. Exit code 0, or 1 with one line naming the first rank that failed
+    (each rank's own error is printed above it); 2 where that rank exited 2, refusing something only the
+    ranks read (a checkpoint of another run, a stage file not written for its index)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from distref.config import fail
+    from distref.data.datasets import prepare_dataset_files
+    from distref.data.tensors import DataError
+    from distref.record import process_started_at
+
+    try:  # here, once: a missing or altered dataset is one line, before any rank or process group
+        prepare_dataset_files(cfg)
+    except DataError as exc:
+        fail(str(exc), impl)
+    nproc, restarts = cfg.launch.nproc_per_node, cfg.launch.max_restarts
+    rank_argv = without_launch_options(sys.argv[1:] if argv is None else list(argv))
+    torchrun_argv = [
+        # Not --standalone: it rendezvouses at "localhost:0" and advertises the workers' store at this
+        # machine's FQDN. (torch's TCPStore listens on every interface whatever the address: README.)
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "--local-addr=127.0.0.1",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        # Seconds between SIGTERM and SIGKILL when the job is stopped (torchrun's default 30): a hung
+        # rank never acts on SIGTERM. Every write here is atomic, so a shorter wait loses nothing.
+        # torch 2.13 honours it on a signal (Ctrl-C), not yet after a rank failed (pytorch #192815).
+        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
+    ]
+    print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
+    # The ranks' records count start-up from this process's start, not their own (distref.record.run_start);
+    # torch.distributed.run passes its environment on to them. Put back after: the caller may go on (tests).
+    previous = os.environ.get("DISTREF_LAUNCHED_AT")
+    os.environ["DISTREF_LAUNCHED_AT"] = str(process_started_at())
+    try:
+        run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        sys.stderr.write(f"{impl}: rank {rank} failed ({how}); its error is above\n")
+        sys.exit(2 if failure.exitcode == 2 else 1)  # 2: what the ranks refused (a checkpoint, data)
+    finally:
+        restore_environment("DISTREF_LAUNCHED_AT", previous)
+    sys.exit(0)
+
+
+def restore_environment(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def without_launch_options(argv: list[str]) -> list[str]:
+    """`argv` less --nproc-per-node/--max-restarts (and their values): the ranks get the run's options."""
+    kept, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token in ("--nproc-per-node", "--max-restarts"):
+            skip_value = True
+        elif not token.startswith(("--nproc-per-node=", "--max-restarts=")):
+            kept.append(token)
+    return kept
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the variables torchrun sets."""
+    env = os.environ
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
