@@ -66,6 +66,7 @@ from distref.distributed import (
     torchrun_env,
 )
 from distref.distributed.partition import choose_cut_points, part_bounds
+from distref.distributed.stages import TimedStage
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
 from distref.training import (
@@ -97,6 +98,7 @@ from distref.training import (
     total_steps,
     unwrap_state_dict,
 )
+from distref.training.measure import SavedActivations
 
 IMPL = "pipeline"
 VERSION = impl_version(__file__)
