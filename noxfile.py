@@ -35,6 +35,7 @@ TEST_DEPS = [
     "scikit-learn",
     "tensorboard",
     "matplotlib",
+    "markdown-it-py",
 ]
 
 nox.options.sessions = ["lint", "tests"]
@@ -147,7 +148,7 @@ for _impl in IMPLS:
 
 
 def _compare(session: nox.Session, device: str) -> None:
-    install_core(session, "tqdm", "matplotlib", "scikit-learn", *impl_requirements(*IMPLS))
+    install_core(session, "tqdm", "matplotlib", "markdown-it-py", "scikit-learn", *impl_requirements(*IMPLS))
     if device == "cuda":
         cuda_gpus(session)  # skips (or fails) without one; compare then picks the ranks per GPU
     session.run(

@@ -10,9 +10,9 @@ proves nothing about a mutant.
 A mutant is *killed* when pytest reports failing tests (exit code 1); a crash, a collection error or a
 time-out is reported as such, not as a kill. The session fails if any mutant is not killed.
 
-    python ci/mutants.py                         # all of them (about 10 minutes on 2 cores)
+    python ci/mutants.py                         # all of them (about 20 minutes on 2 cores)
     python ci/mutants.py --only ddp-loss-not-averaged --only time-to-target-zero
-    python ci/mutants.py --list
+    python ci/mutants.py --list                  # the table of them (Markdown), for docs/testing.md
 """
 
 from __future__ import annotations
@@ -93,15 +93,23 @@ def first_failure(output: str) -> str:
     return match.group(1) if match else "?"
 
 
+def mutant_table(mutants: list[dict]) -> str:
+    """The mutants as a Markdown table: name, the file it edits, the tests that must kill it."""
+    rows = ["| mutant (a deliberate bug) | file | killed by |", "|---|---|---|"]
+    for m in mutants:
+        tests = ", ".join(f"`{t.split('::')[-1]}`" for t in m["tests"])
+        rows.append(f"| `{m['name']}` | `{m['file']}` | {tests} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python ci/mutants.py", description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="run this mutant (repeatable)")
-    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--list", action="store_true", help="print the mutants as a Markdown table and exit")
     args = parser.parse_args(argv)
     mutants = load_mutants()
     if args.list:
-        for m in mutants:
-            print(f"{m['name']:<36} {m['file']}")
+        print(mutant_table(mutants))
         return 0
     if args.only:
         unknown = set(args.only) - {m["name"] for m in mutants}

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_script
 from distref.cli import parse_config
+from distref.testing import ROOT, run_script
 
 BAD = [
     (["--global-batch-size", "0"], "--global-batch-size: must be a positive integer"),

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_script
+from distref.testing import ROOT, run_script
 
 TEST_FILES = sorted([*ROOT.glob("impls/*/tests/test_*.py"), *ROOT.glob("core/tests/test_*.py")])
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torchvision.datasets import MNIST
 
-from conftest import tampered_mnist
 from distref.cli import parse_config
 from distref.data import DataError, load_dataset
 from distref.data.mnist import MNIST_MD5, _md5, prepare_mnist, read_idx, verify_idx_files
+from distref.testing import tampered_mnist
 
 
 def test_mnist_files_match_the_published_md5(mnist_root):

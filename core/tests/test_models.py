@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from conftest import count_block_calls
 from distref.data import DatasetInfo
 from distref.models import BlockModel, build_model
+from distref.testing import count_block_calls
 
 INFOS = {
     "lenet": DatasetInfo("mnist", 10, (1, 28, 28), "image"),

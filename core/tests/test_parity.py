@@ -2,7 +2,6 @@
 
 import pytest
 
-from conftest import ROOT
 from distref.compare import DEFAULT_WORKLOAD
 from distref.config import with_defaults
 from distref.impl_folders import discover, validate
@@ -16,6 +15,7 @@ from distref.parity import (
     render,
     shortened,
 )
+from distref.testing import ROOT
 
 IMPLS = discover(ROOT / "impls")
 

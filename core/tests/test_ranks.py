@@ -4,9 +4,9 @@ and whether this torch can use the GPUs it counts. Pure logic, tested here witho
 import pytest
 import torch
 
-from conftest import ROOT
 from distref import compare, impl_folders, ranks
 from distref.cli import parse_config
+from distref.testing import ROOT
 
 LENET = ["--model", "lenet", "--dataset", "mnist", "--global-batch-size", "64"]
 

@@ -7,9 +7,9 @@ import jsonschema
 import pytest
 import torch
 
-from conftest import expected_time_to_target, max_relative_difference
 from distref.cli import parse_config
 from distref.record import SCHEMA_PATH, load_record
+from distref.testing import expected_time_to_target, max_relative_difference
 from distref.training import checkpoint as ckpt
 from distref.training import lr_factor, make_lr_schedule
 

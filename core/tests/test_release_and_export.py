@@ -1,6 +1,7 @@
 """Versions that cannot drift, and references that run outside this repo."""
 
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PARITY_TOLERANCE, ROOT, load_train_module, max_relative_difference, run_script
 from distref import impl_dependencies, release
 from distref.export import export
 from distref.impl_folders import discover
+from distref.testing import PARITY_TOLERANCE, ROOT, load_train_module, max_relative_difference, run_script
 
 IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
 
@@ -195,6 +196,10 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     shell = readme.split("```bash\n")[1].split("```")[0]
     assert all(" (" not in line.split("#")[0] for line in shell.splitlines())  # comments are comments
     assert f"impls/{impl}/train.py" not in readme  # paths as they are in the export
+    assert_every_command_works_there(readme, dest)
+    # Only what train.py, baseline/ and the tests import: none of the tools that run or compare impls.
+    vendored = {p.stem for p in (dest / f"distref_{impl}").iterdir()}
+    assert not vendored & {"compare", "parity", "report", "export", "release", "ranks", "impl_folders"}
     with open(dest / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["tool"]["distref"]["exported-from"]["impl"] == impl
     assert "from distref." not in (dest / "train.py").read_text()
@@ -302,6 +307,40 @@ def test_exported_tests_run_there(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 passed" in result.stdout
     assert "PytestUnknownMarkWarning" not in result.stdout  # its pyproject registers the tests' markers
+
+
+def assert_every_command_works_there(readme: str, dest: Path) -> None:
+    """No command in an exported README needs the repository: no nox session, no distref tool, no path
+    under impls/ or ci/ (in code blocks or in the prose's code spans); every file a command names exists."""
+    in_code, commands = False, []
+    for line in readme.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code:
+            commands.append(line.split("#")[0])
+    commands += re.findall(r"`([^`\n]+)`", readme)
+    for command in commands:
+        assert not re.search(r"\bnox\b|python -m distref\.|\bimpls/|\bci/|benchmark\.py", command), command
+        for word in command.split():
+            if word.endswith(".py") and not word.startswith(("-", "~", "/")):  # a file of the project
+                assert (dest / word).is_file(), f"{command}: no {word} in the export"
+
+
+def test_a_layout_change_keeps_its_version_with_a_reason(tmp_path):
+    """--same-behaviour: files changed, behaviour did not: the version stays, the old hash is kept."""
+    impl = tmp_path / "ddp"
+    shutil.copytree(ROOT / "impls" / "ddp", impl, ignore=shutil.ignore_patterns("__pycache__"))
+    before = json.loads((impl / "release.json").read_text())
+    (impl / "train.py").write_text((impl / "train.py").read_text() + "\n# moved code\n")
+    assert release.problems(impl)  # changed and not recorded
+    lock = release.release(impl, same_behaviour="moved code, same parameters bit for bit")
+    assert lock["version"] == before["version"] and lock["sha256"] != before["sha256"]
+    assert lock["same_behaviour_as"][-1] == {
+        "sha256": before["sha256"],
+        "why": "moved code, same parameters bit for bit",
+    }
+    assert release.problems(impl) == []
+    assert json.loads((impl / "release.json").read_text()) == lock
 
 
 def test_export_refuses_a_non_empty_destination(tmp_path):

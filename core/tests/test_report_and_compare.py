@@ -1,5 +1,6 @@
 """The comparison runner and report: built from small real runs, refusing to mix workloads."""
 
+import html.parser
 import json
 import re
 import shutil
@@ -12,11 +13,11 @@ import pytest
 import torch
 from filelock import FileLock
 
-from conftest import ROOT, run_script
 from distref import impl_version
 from distref.config import RunConfig
 from distref.record import RunRecord, load_record
 from distref.report import build_report
+from distref.testing import ROOT, run_script
 
 WORKLOAD = [
     "--model",
@@ -113,7 +114,40 @@ def test_compare_runs_each_impl_and_builds_the_report(compared):
     versions = report.split("## Versions and environment")[1]
     ddp_version = impl_version(ROOT / "impls" / "ddp" / "train.py")
     assert f"| ddp ×2 | {ddp_version} |" in versions and "gloo" in versions
-    assert "<table>" in (out / "report.html").read_text()
+    assert_rendered_html(out / "report.html", report)
+
+
+class _PageText(html.parser.HTMLParser):
+    """What a browser shows of a page (text outside tags, but no <style>) and the tags it has."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.tags, self._in_style = [], [], False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag):
+        self._in_style = False
+
+    def handle_data(self, data):
+        if not self._in_style:
+            self.text.append(data)
+
+
+def assert_rendered_html(page: Path, markdown: str) -> None:
+    """report.html is report.md rendered: its headings, tables, emphasis and code are HTML, and no
+    Markdown marker is left in the text a browser shows."""
+    shown = _PageText()
+    shown.feed(page.read_text())
+    text = "".join(shown.text)
+    for marker in ("|---", "**", "`", "](", "\n## ", "\n# "):
+        assert marker not in text, f"Markdown {marker!r} left in report.html"
+    assert "*exact parity*" in markdown and "exact parity" in text  # emphasised in the .md, shown as text
+    assert {"h1", "h2", "table", "th", "td", "img", "em", "code"} <= set(shown.tags)
+    separators = [line for line in markdown.splitlines() if re.fullmatch(r"\|( *:?-+:? *\|)+", line)]
+    assert shown.tags.count("table") == len(separators) >= 3  # every Markdown table became a table
 
 
 def test_report_is_a_command_of_its_own(compared, tmp_path):

@@ -18,8 +18,6 @@ impl says so at start-up and trains the same code path.
 Changes against impls/single/train.py are marked `# --- DataParallel: ... ---`.
 """
 
-from __future__ import annotations
-
 import contextlib
 import time
 from collections.abc import Callable
@@ -28,44 +26,50 @@ import torch
 from torch import nn
 
 from distref import impl_version
-from distref.cli import parse_config
-from distref.config import RunConfig, fail
-from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cli import exit_on_bad_input, parse_config
+from distref.config import RunConfig
+from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
-from distref.training import (
-    CheckpointError,
-    autocast,
-    checkpoint_path,
-    configure_cpu_threads,
-    describe_resume,
-    evaluate,
+from distref.training.bookkeeping import Cadence, StepLog
+from distref.training.checkpoint import (
     load_checkpoint,
-    loss_fn,
-    make_grad_scaler,
-    make_lr_schedule,
-    make_optimizer,
-    model_state_bytes,
-    param_dtype,
-    pick_device,
-    profiler,
-    progress_bar,
     resume_path,
+    resume_step,
     save_checkpoint,
-    seed_everything,
-    stop_if_diverged,
-    synchronize,
-    tensorboard_writer,
-    total_steps,
+    save_step_checkpoint,
     unwrap_state_dict,
 )
+from distref.training.device import (
+    autocast,
+    configure_cpu_threads,
+    param_dtype,
+    pick_device,
+    seed_everything,
+    synchronize,
+)
+from distref.training.measure import model_state_bytes
+from distref.training.monitor import profiler
+from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
+from distref.training.steps import evaluate, loss_fn
 
 IMPL = "dataparallel"
 VERSION = impl_version(__file__)
-EVAL_BATCH_SIZE = 1000
 
 
-# --- DataParallel: the run's autocast inside each replica's thread ---
+# --- DataParallel: the strategy ------------------------------------------------------------------
+def apply_dataparallel(
+    model: nn.Module, gpu_ids: list[int], make_autocast: Callable[[], contextlib.AbstractContextManager]
+) -> nn.DataParallel:
+    """Wrap the model (on its device, before the optimizer is built): every step DataParallel replicates
+    it across `gpu_ids` and splits the batch; GPU 0 gathers the outputs and holds the optimizer."""
+    if len(gpu_ids) < 2:
+        print(
+            f"{IMPL}: {len(gpu_ids)} GPU(s) visible: DataParallel runs the module as is, without parallelism"
+        )
+    return DataParallelWithAutocast(model, gpu_ids or None, make_autocast)
+
+
 class InAutocast(nn.Module):
     """A replica whose forward runs under `make_autocast()`, entered in the thread that calls it."""
 
@@ -95,40 +99,27 @@ class DataParallelWithAutocast(nn.DataParallel):
         return super().parallel_apply(wrapped, inputs, kwargs)
 
 
-def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    """nn.DataParallel takes every visible GPU whatever the run's device: on the CPU, hide them."""
-    if cfg.device == "cpu" and torch.cuda.is_available():
-        return "--device cpu: nn.DataParallel would take the visible GPUs anyway; hide them (CUDA_VISIBLE_DEVICES=)"
-    return None
-
-
-# --- end DataParallel ---
+# --- end DataParallel strategy ---
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv, IMPL, check=check_options, description=__doc__)  # --- DataParallel: its check
+    cfg = parse_options(argv)
     configure_cpu_threads()
     device = pick_device(cfg.device)
 
     # ---- Data and model: the same in every impl -------------------------------------------------
-    try:
+    with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
-    except DataError as exc:
-        fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- DataParallel: replicate across every visible GPU each step; GPU 0 gathers and steps ---
     gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-    if len(gpu_ids) < 2:
-        print(
-            f"{IMPL}: {len(gpu_ids)} GPU(s) visible: DataParallel runs the module as is, without parallelism"
-        )
-    model = DataParallelWithAutocast(model, gpu_ids or None, lambda: autocast(cfg, device))
+    model = apply_dataparallel(model, gpu_ids, lambda: autocast(cfg, device))
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
-    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
+    cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
     # --- DataParallel: one process computing on every GPU it was given (1 on CPU: no parallelism)
     gpus = [torch.device("cuda", i) for i in gpu_ids]
     record = RunRecord(
@@ -145,104 +136,57 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
-        try:
+        with exit_on_bad_input(IMPL):  # a checkpoint of another run: one line, exit 2
             state = load_checkpoint(path, cfg, n_steps)
-        except CheckpointError as exc:
-            fail(str(exc), IMPL)
         model.module.load_state_dict(state["model"])  # --- DataParallel: the core model is .module
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        record.load_state(state, path)  # the history so far, and what this session changes
-        start_step = state["step"]
-        print(f"{IMPL}: {describe_resume(path, state)}")
+        start_step = resume_step(state, path, record, IMPL)
 
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
-
     micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps))
-    bar = progress_bar(n_steps, start_step, enabled=True, desc=IMPL)
-    tb = tensorboard_writer(cfg, enabled=True)
-    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
-    pending_times: list[float] = []
+    log = StepLog(record, cfg, IMPL, cadence, start_step)
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
-    try:
-        with profiler(cfg, rank=0) as prof:
-            for step in range(start_step, n_steps):
-                t0 = time.perf_counter()
-                step_loss = torch.zeros((), device=device)
-                for _ in range(cfg.grad_accum):
-                    x, y = next(micro_batches)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    with autocast(cfg, device):
-                        loss = loss_fn(model(x), y)
-                    # Each micro-batch is 1/grad_accum of the global batch: scaling makes the summed
-                    # gradients the mean over the whole global batch, as one big batch would give.
-                    scaler.scale(loss / cfg.grad_accum).backward()
-                    step_loss += loss.detach() / cfg.grad_accum
-                scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
-                scaler.step(optimizer)
-                scaler.update()
-                if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
-                    record.add_skipped_step(step)
-                scheduler.step()
-                if state_bytes is None:
-                    state_bytes = model_state_bytes(model.parameters(), optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                synchronize(device)
-                pending_times.append(time.perf_counter() - t0)
-                pending_losses.append(step_loss)
-                prof.step()
-                bar.update(1)
+    with log, profiler(cfg, rank=0) as prof:
+        for step in range(start_step, n_steps):
+            started = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(cfg.grad_accum):
+                x, y = next(micro_batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast(cfg, device):
+                    loss = loss_fn(model(x), y)
+                # Each micro-batch is 1/grad_accum of the global batch: scaling makes the summed
+                # gradients the mean over the whole global batch, as one big batch would give.
+                scaler.scale(loss / cfg.grad_accum).backward()
+                step_loss += loss.detach() / cfg.grad_accum
+            scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
+                record.add_skipped_step(step)
+            scheduler.step()
+            if state_bytes is None:
+                state_bytes = model_state_bytes(model.parameters(), optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+            log.step_done(step_loss, started)
+            prof.step()
 
-                done = step + 1
-                is_last = done == n_steps
-                eval_now = is_last or (
-                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
-                )
-                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
-                    losses = torch.stack(pending_losses).tolist()
-                    record.add_steps(done - len(losses), losses, pending_times)
-                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                    tb.add_scalar("train/loss", losses[-1], done)
-                    pending_losses, pending_times = [], []
-
-                if eval_now:
-                    eval_started = time.perf_counter()
-                    loss_sum, correct, count = evaluate(
-                        model, eval_batches(test_set, EVAL_BATCH_SIZE), device, cfg
-                    )
-                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(
-                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
-                    )
-                    bar.write(
-                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
-                    )
-                    tb.add_scalar("test/accuracy", accuracy, done)
-
-                if checkpoint_now:
-                    state = {
-                        "model": model.module.state_dict(),  # --- DataParallel: no "module." prefix
-                        "optimizer": optimizer.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "step": done,
-                        "total_steps": n_steps,
-                        "rng": torch.get_rng_state(),
-                        "record": record.state(),
-                        "config": cfg.to_dict(),
-                    }
-                    save_checkpoint(checkpoint_path(cfg.checkpoint_dir, done), state)
-    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
-        record.fail(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        bar.close()
-        tb.close()
+            due = cadence.after(step)
+            if due.log:
+                log.flush(due.step)
+            if due.eval:
+                started = time.perf_counter()
+                totals = evaluate(model, eval_batches(test_set), device, cfg)
+                log.evaluated(due.step, totals, started)
+            if due.checkpoint:
+                # --- DataParallel: the core model's state_dict (no "module." prefix)
+                states = dict(model=model.module.state_dict(), optimizer=optimizer.state_dict())
+                save_step_checkpoint(cfg, due.step, n_steps, record, **states, scaler=scaler.state_dict())
 
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
@@ -250,6 +194,23 @@ def main(argv: list[str] | None = None) -> dict:
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes])
     print_summary(record.data)
     return record.data
+
+
+# ---- The command line: the core options (distref.cli); DataParallel has none of its own ----------
+# --- DataParallel: only a check of its own (one line and exit 2 on bad input) ---
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    """nn.DataParallel takes every visible GPU whatever the run's device: on the CPU, hide them."""
+    if cfg.device == "cpu" and torch.cuda.is_available():
+        return "--device cpu: nn.DataParallel would take the visible GPUs anyway; hide them (CUDA_VISIBLE_DEVICES=)"
+    return None
+
+
+def parse_options(argv: list[str] | None, world_size: int = 1) -> RunConfig:
+    # --- DataParallel: the core options, then its check
+    return parse_config(argv, IMPL, world_size=world_size, check=check_options, description=__doc__)
+
+
+# --- end DataParallel options ---
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.util
 import logging
@@ -33,101 +34,58 @@ import torch
 import torch.distributed as dist  # --- ZERO ---
 
 from distref import impl_version
-from distref.cli import parse_config
-from distref.config import RunConfig, fail, positive_float, under_torchrun, uses_cuda
-from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cli import exit_on_bad_input, parse_config
+from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
+from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
-    gather_to_rank0,
+    finish_record,
     launch_ranks,
     restart_safe_store,
     torchrun_env,
 )
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
-from distref.training import (
+from distref.training.bookkeeping import Cadence, StepLog
+from distref.training.checkpoint import (
     CheckpointError,
     check_listed_files,
     checkpoint_path,
-    configure_cpu_threads,
-    describe_resume,
-    evaluate,
+    checkpoint_state,
     folder_hashes,
     load_checkpoint,
-    loss_fn,
-    make_lr_schedule,
-    make_optimizer,
+    resume_path,
+    resume_step,
+    save_checkpoint,
+)
+from distref.training.device import (
+    configure_cpu_threads,
     param_dtype,
     pick_device,
-    profiler,
-    progress_bar,
-    resume_path,
-    save_checkpoint,
     seed_everything,
-    stop_if_diverged,
     synchronize,
-    tensorboard_writer,
-    total_steps,
 )
 from distref.training.measure import zero_model_state_bytes
+from distref.training.monitor import profiler
+from distref.training.optim import make_lr_schedule, make_optimizer, total_steps
+from distref.training.steps import evaluate, loss_fn
 
 IMPL = "deepspeed_zero"
 VERSION = impl_version(__file__)
-EVAL_BATCH_SIZE = 1000
 
 
-# --- ZERO: strategy options, on top of the core run contract ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--zero-stage",
-        metavar="{0,1,2,3}",
-        type=int,
-        default=2,
-        help="partition nothing (0, = DDP), optimizer states (1), + gradients (2), + parameters (3)",
-    )
-    parser.add_argument(
-        "--offload-optimizer",
-        action="store_true",
-        help="keep the optimizer states (and fp32 master weights) in CPU memory and step there (stage ≥ 1)",
-    )
-    parser.add_argument(
-        "--offload-params",
-        action="store_true",
-        help="keep the parameter partitions in CPU memory between uses (stage 3)",
-    )
-    parser.add_argument(
-        "--bucket-mb",
-        metavar="MB",
-        type=positive_float,
-        default=50.0,
-        help="gradient reduce / parameter all-gather bucket size (smaller = less memory, more calls)",
-    )
-    parser.add_argument(
-        "--local_rank", type=int, help=argparse.SUPPRESS
-    )  # the `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used
+# --- ZERO: the strategy --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ZeroOptions:
+    """ZeRO's own options (`add_options`, at the end of this file, gives their help and defaults)."""
 
-
-def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    if importlib.util.find_spec("deepspeed") is None:
-        return "deepspeed is not installed: pip install deepspeed==0.19.8 -c <the constraints file pinning torch>"
-    stage = cfg.extra["zero_stage"]
-    if stage not in (0, 1, 2, 3):
-        return f"--zero-stage {stage}: ZeRO has stages 0, 1, 2 and 3"
-    if cfg.extra["offload_params"] and stage != 3:
-        return f"--offload-params needs --zero-stage 3 (only stage 3 partitions parameters; got {stage})"
-    if cfg.extra["offload_optimizer"] and stage == 0:
-        return "--offload-optimizer needs --zero-stage 1, 2 or 3 (stage 0 has no optimizer partition)"
-    if cfg.precision == "fp64":
-        # Measured with 0.19.8: stage 0's gradient all-reduce asserts "unsupported grad type:
-        # torch.float64"; stages 1-3 run, but their optimizer steps on fp32 master copies, i.e. not fp64.
-        return "--precision fp64: DeepSpeed 0.19 trains in fp32, bf16 or fp16 only (fp32 master weights)"
-    if cfg.precision == "bf16" and stage == 0:
-        # DeepSpeed 0.19 runs bf16 at stage 0 through its fp16-style path, without fp32 master weights
-        # (updates rounded to bf16), unlike stages 1-3: refused rather than a less accurate model silently.
-        return "--precision bf16 needs --zero-stage 1, 2 or 3 (stage 0 keeps no fp32 master weights)"
-    return None
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    bucket_mb: float
+    local_rank: int | None  # the `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used
 
 
 def quiet_deepspeed() -> None:
@@ -148,13 +106,40 @@ def skip_shm_op_build() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+def init_deepspeed(cfg: RunConfig, device: torch.device, rank: int, world_size: int):
+    """DeepSpeed, imported for this rank's device, and the process groups; returns (deepspeed, backend)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses (and may pick CUDA)
+    quiet_deepspeed()
+    import deepspeed  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
+
+    skip_shm_op_build()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
+    # The process group is torch's own, made here as in ddp (restart-safe store, timeout); deepspeed.comm
+    # wraps it instead of creating another.
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    # DeepSpeed makes process groups of its own (dist.new_group without a timeout), which take torch's
+    # default for gloo, 30 minutes, not --timeout: a silent rank then hung the job that long.
+    dist.distributed_c10d.default_pg_timeout = timeout
+    return deepspeed, backend
+
+
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
     """The ZeRO configuration (what a ds_config.json would hold), from the run contract.
 
     DeepSpeed takes the batch as three numbers that must agree: the global batch (per optimizer step)
     = micro-batch per rank × gradient accumulation steps × world size."""
-    stage = cfg.extra["zero_stage"]
-    bucket = int(cfg.extra["bucket_mb"] * 2**20 / 4)  # DeepSpeed sizes buckets in elements
+    stage = cfg.strategy.zero_stage
+    bucket = int(cfg.strategy.bucket_mb * 2**20 / 4)  # DeepSpeed sizes buckets in elements
     zero: dict = {
         "stage": stage,
         "reduce_bucket_size": bucket,
@@ -167,9 +152,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
         # tensors all are, so nothing would be partitioned. 0 partitions every one, as a large model would be.
         zero["stage3_param_persistence_threshold"] = 0
         zero["stage3_prefetch_bucket_size"] = bucket
-    if cfg.extra["offload_optimizer"]:
+    if cfg.strategy.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": uses_cuda(cfg)}
-    if cfg.extra["offload_params"]:
+    if cfg.strategy.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": uses_cuda(cfg)}
     return {
         "train_batch_size": cfg.global_batch_size,
@@ -216,207 +201,8 @@ def deepspeed_gathered(params, stage: int):
     return deepspeed.zero.GatheredParameters(list(params)) if stage == 3 else contextlib.nullcontext()
 
 
-# --- end ZERO options ---
-
-
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv, IMPL, add_options, check=check_options, description=__doc__, distributed=True)
-    # --- ZERO: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
-    # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
-    # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
-    if not under_torchrun():
-        launch_ranks(__file__, argv, cfg, IMPL)
-    rank, world_size, local_rank = torchrun_env()
-    configure_cpu_threads()  # (the `deepspeed` launcher sets no OMP_NUM_THREADS: this does)
-    device = pick_device(cfg.device, local_rank)
-    if device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses (and may pick CUDA)
-    quiet_deepspeed()
-    import deepspeed  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
-
-    skip_shm_op_build()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    # The process group is torch's own, made here as in ddp (restart-safe store, timeout); deepspeed.comm
-    # wraps it instead of creating another.
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/dist.py for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
-    # DeepSpeed makes process groups of its own (dist.new_group without a timeout), which take torch's
-    # default for gloo, 30 minutes, not --timeout: a silent rank then hung the job that long.
-    dist.distributed_c10d.default_pg_timeout = timeout
-    is_main = rank == 0  # rank 0 alone writes the record and the checkpoint index
-    stage = cfg.extra["zero_stage"]
-    # --- end ZERO ---
-
-    # ---- Data and model: the same in every impl -------------------------------------------------
-    try:
-        train_set, test_set, info = load_dataset(cfg)
-    except DataError as exc:
-        fail(str(exc), IMPL)
-    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
-    model.activation_checkpointing = cfg.activation_checkpointing
-    optimizer = make_optimizer(cfg, model.parameters())
-    # --- ZERO: the engine partitions the model states as the config says, broadcasts rank 0's parameters,
-    # and from here on does backward (loss scaling, gradient reduction), the optimizer step and zero_grad.
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg, world_size)
-    )
-    n_steps = total_steps(cfg, len(train_set))
-    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
-    record = RunRecord(
-        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
-    )  # --- ZERO: every rank keeps the numbers, rank 0 writes them
-    record.data["strategy"].update(
-        zero_stage=stage,
-        offload_optimizer=cfg.extra["offload_optimizer"],
-        offload_params=cfg.extra["offload_params"],
-        deepspeed_version=deepspeed.__version__,
-    )
-
-    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
-    start_step = 0
-    if (path := resume_path(cfg)) is not None:
-        # --- ZERO: the index (step-N.pt: step, record, options, RNG, file hashes) names a complete
-        # checkpoint; DeepSpeed then loads its own sharded files from the folder beside it.
-        try:
-            state = load_checkpoint(path, cfg, n_steps)
-            check_zero_checkpoint(path, state, stage, world_size)
-            check_listed_files(path, path.parent / state["deepspeed_tag"], state["sha256"])
-        except CheckpointError as exc:  # --- ZERO: every rank finds it; rank 0 says it, once
-            fail(str(exc), IMPL) if is_main else sys.exit(2)
-        engine.load_checkpoint(
-            str(path.parent),
-            tag=state["deepspeed_tag"],
-            load_module_strict=True,
-            load_lr_scheduler_states=False,
-        )
-        # --- end ZERO ---
-        torch.set_rng_state(state["rng"])
-        record.load_state(state, path)  # the history so far, and what this session changes
-        start_step = state["step"]
-        if is_main:  # --- ZERO: one line, not one per rank
-            print(f"{IMPL}: {describe_resume(path, state)}")
-
-    # The lr is a function of the step: built after a resume, it continues where the run left off.
-    # --- ZERO: on the torch optimizer itself; DeepSpeed steps it on the flat partitions, keeping each
-    # param group's lr.
-    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
-
-    # --- ZERO: this rank's slice of every global batch (same order as single, any world size) ---
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
-    bar = progress_bar(n_steps, start_step, enabled=is_main, desc=f"{IMPL} ×{world_size}")
-    tb = tensorboard_writer(cfg, enabled=is_main)
-    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
-    pending_times: list[float] = []
-    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
-    compute_dtype = next(engine.module.parameters()).dtype  # --- ZERO: bf16/fp16 params under those
-
-    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
-    try:
-        with profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
-            for step in range(start_step, n_steps):
-                t0 = time.perf_counter()
-                step_loss = torch.zeros((), device=device)
-                for micro_step in range(cfg.grad_accum):
-                    x, y = next(micro_batches)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    if x.is_floating_point():  # --- ZERO: images in the parameters' dtype (bf16/fp16)
-                        x = x.to(compute_dtype)
-                    loss = loss_fn(engine(x), y)
-                    # --- ZERO: the engine divides by --grad-accum (each micro-batch is 1/K of this rank's
-                    # share) and, at the last micro-step, averages the gradients over the ranks (stage 0/1:
-                    # all-reduce; 2/3: reduce-scatter into each rank's partition). Not divided here too.
-                    engine.backward(loss)
-                    if state_bytes is None and step > start_step and micro_step == cfg.grad_accum - 1:
-                        # Gradients exist now (step() frees them) and the optimizer state since step 1.
-                        state_bytes = zero_model_state_bytes(engine, optimizer)
-                    # --- ZERO: a no-op but at the last micro-step: optimizer step on this rank's
-                    # partition, then (stage 1/2) all-gather of the updated parameters; zero_grad.
-                    engine.step()
-                    step_loss += loss.detach() / cfg.grad_accum
-                # --- ZERO: no scaler, optimizer.step() or zero_grad() here: engine.step() did them
-                if not engine.was_step_applied():  # --- ZERO: fp16's loss scaler found inf/nan, skipped it
-                    record.add_skipped_step(step)
-                scheduler.step()
-                synchronize(device)
-                pending_times.append(time.perf_counter() - t0)
-                pending_losses.append(step_loss)
-                prof.step()
-                bar.update(1)
-
-                done = step + 1
-                is_last = done == n_steps
-                eval_now = is_last or (
-                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
-                )
-                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
-                    # --- ZERO: average the losses over ranks (one all-reduce for all pending steps), so
-                    # rank 0 reports the global-batch loss, not its own slice's.
-                    losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
-                    record.add_steps(done - len(losses), losses, pending_times)
-                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                    tb.add_scalar("train/loss", losses[-1], done)
-                    pending_losses, pending_times = [], []
-
-                if eval_now:
-                    eval_started = time.perf_counter()
-                    # --- ZERO: each rank scores its shard of the test set; sums are all-reduced. Each
-                    # rank's BatchNorm statistics came from its own slice: use rank 0's everywhere, the
-                    # ones the saved model has. Stage 3: parameters gathered whole for the evaluation
-                    # (shards differ in batch count, so forwards through the partitioned module, which
-                    # gather collectively, would not pair up across ranks).
-                    for buffer in engine.module.buffers():
-                        dist.broadcast(buffer, src=0)
-                    batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
-                    with deepspeed_gathered(engine.module.parameters(), stage):
-                        totals = evaluate(engine.module, batches, device, cfg)
-                    dist.all_reduce(totals)
-                    loss_sum, correct, count = totals
-                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(
-                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
-                    )
-                    bar.write(
-                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
-                    )
-                    tb.add_scalar("test/accuracy", accuracy, done)
-
-                if checkpoint_now:  # --- ZERO: every rank writes its partitions, rank 0 the index
-                    save_zero_checkpoint(engine, cfg, done, n_steps, record, world_size, is_main)
-    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
-        record.fail(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        bar.close()
-        tb.close()
-
-    # --- ZERO: the full fp32 state_dict of the core model, assembled from the partitions (keys identical
-    # for every impl); every rank takes part (stage 3 gathers), rank 0 writes.
-    if cfg.save_final:
-        final = full_fp32_state_dict(engine, stage)
-        if is_main:
-            save_checkpoint(cfg.save_final, final)
-    # --- ZERO: peak memory and model-state bytes (its partitions only) of every rank, gathered to rank 0
-    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
-    states = gather_to_rank0(state_bytes, world_size)
-    record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
-    if is_main:
-        print_summary(record.data)
-    return record.data
-
-
-# --- ZERO: checkpoints are DeepSpeed's own: each rank writes its partition of the optimizer states (and
-# at stage 3 of the parameters) into a folder step-N/ beside the index step-N.pt.
+# Checkpoints are DeepSpeed's own: each rank writes its partition of the optimizer states (and at stage 3
+# of the parameters) into a folder step-N/ beside the index step-N.pt.
 def save_zero_checkpoint(
     engine, cfg: RunConfig, done: int, n_steps: int, record: RunRecord, world_size: int, is_main: bool
 ) -> None:
@@ -428,20 +214,31 @@ def save_zero_checkpoint(
     engine.save_checkpoint(cfg.checkpoint_dir, tag=tag, save_latest=False)
     dist.barrier()
     if is_main:
-        state = {
+        files = {
             "deepspeed_tag": tag,
-            "zero_stage": cfg.extra["zero_stage"],
+            "zero_stage": cfg.strategy.zero_stage,
             "world_size": world_size,
             # DeepSpeed loads its files with torch.load(weights_only=False), i.e. it unpickles them: their
             # hashes, taken when written, are checked before that happens on resume.
             "sha256": folder_hashes(index.parent / tag),
-            "step": done,
-            "total_steps": n_steps,
-            "rng": torch.get_rng_state(),
-            "record": record.state(),
-            "config": cfg.to_dict(),
         }
-        save_checkpoint(index, state)
+        save_checkpoint(index, checkpoint_state(cfg, done, n_steps, record, **files))
+
+
+def load_zero_checkpoint(
+    engine, index: Path, cfg: RunConfig, n_steps: int, world_size: int, is_main: bool
+) -> dict:
+    """The index (step-N.pt: step, record, options, RNG, file hashes) names a complete checkpoint; DeepSpeed
+    then loads its own sharded files from the folder beside it, once their hashes are checked. Returns the
+    index's state."""
+    with exit_on_bad_input(IMPL, say=is_main):  # every rank finds it; rank 0 says it, once
+        state = load_checkpoint(index, cfg, n_steps)
+        check_zero_checkpoint(index, state, cfg.strategy.zero_stage, world_size)
+        check_listed_files(index, index.parent / state["deepspeed_tag"], state["sha256"])
+    engine.load_checkpoint(
+        str(index.parent), tag=state["deepspeed_tag"], load_module_strict=True, load_lr_scheduler_states=False
+    )
+    return state
 
 
 def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int) -> None:
@@ -455,10 +252,199 @@ def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int)
         )
 
 
-# --- end ZERO ---
+# --- end ZERO strategy ---
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_options(argv)
+    # --- ZERO: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
+    # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
+    # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
+    if not under_torchrun():
+        launch_ranks(__file__, argv, cfg, IMPL)
+    rank, world_size, local_rank = torchrun_env()
+    configure_cpu_threads()  # (the `deepspeed` launcher sets no OMP_NUM_THREADS: this does)
+    device = pick_device(cfg.device, local_rank)
+    deepspeed, backend = init_deepspeed(cfg, device, rank, world_size)
+    is_main = rank == 0  # rank 0 alone writes the record and the checkpoint index
+    stage = cfg.strategy.zero_stage
+    # --- end ZERO ---
+
+    # ---- Data and model: the same in every impl -------------------------------------------------
+    with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
+        train_set, test_set, info = load_dataset(cfg)
+    seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    optimizer = make_optimizer(cfg, model.parameters())
+    # --- ZERO: the engine partitions the model states as the config says, broadcasts rank 0's parameters,
+    # and from here on does backward (loss scaling, gradient reduction), the optimizer step and zero_grad.
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(cfg, world_size)
+    )
+    n_steps = total_steps(cfg, len(train_set))
+    cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
+    record = RunRecord(
+        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
+    )  # --- ZERO: every rank keeps the numbers, rank 0 writes them
+    record.add_strategy_facts(
+        zero_stage=stage,
+        offload_optimizer=cfg.strategy.offload_optimizer,
+        offload_params=cfg.strategy.offload_params,
+        deepspeed_version=deepspeed.__version__,
+    )
+
+    # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
+    start_step = 0
+    if (path := resume_path(cfg)) is not None:
+        state = load_zero_checkpoint(engine, path, cfg, n_steps, world_size, is_main)  # --- ZERO: its files
+        start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- ZERO: said once
+
+    # The lr is a function of the step: built after a resume, it continues where the run left off.
+    # --- ZERO: on the torch optimizer itself; DeepSpeed steps it on the flat partitions, keeping each
+    # param group's lr.
+    scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
+    # --- ZERO: this rank's slice of every global batch (same order as single, any world size) ---
+    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
+    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}")
+    state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
+    compute_dtype = next(engine.module.parameters()).dtype  # --- ZERO: bf16/fp16 params under those
+
+    record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
+    with log, profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
+        for step in range(start_step, n_steps):
+            started = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(cfg.grad_accum):
+                x, y = next(micro_batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if x.is_floating_point():  # --- ZERO: images in the parameters' dtype (bf16/fp16)
+                    x = x.to(compute_dtype)
+                loss = loss_fn(engine(x), y)
+                # --- ZERO: the engine divides by --grad-accum (each micro-batch is 1/K of this rank's
+                # share) and, at the last micro-step, averages the gradients over the ranks (stage 0/1:
+                # all-reduce; 2/3: reduce-scatter into each rank's partition). Not divided here too.
+                engine.backward(loss)
+                if state_bytes is None and step > start_step and micro_step == cfg.grad_accum - 1:
+                    # Gradients exist now (step() frees them) and the optimizer state since step 1.
+                    state_bytes = zero_model_state_bytes(engine, optimizer)
+                # --- ZERO: a no-op but at the last micro-step: optimizer step on this rank's
+                # partition, then (stage 1/2) all-gather of the updated parameters; zero_grad.
+                engine.step()
+                step_loss += loss.detach() / cfg.grad_accum
+            # --- ZERO: no scaler, optimizer.step() or zero_grad() here: engine.step() did them
+            if not engine.was_step_applied():  # --- ZERO: fp16's loss scaler found inf/nan, skipped it
+                record.add_skipped_step(step)
+            scheduler.step()
+            synchronize(device)
+            log.step_done(step_loss, started)
+            prof.step()
+
+            due = cadence.after(step)
+            if due.log:
+                # --- ZERO: average the losses over ranks (one all-reduce for all pending steps), so
+                # rank 0 reports the global-batch loss, not its own slice's.
+                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+            if due.eval:
+                started = time.perf_counter()
+                # --- ZERO: each rank scores its shard of the test set; sums are all-reduced. Each
+                # rank's BatchNorm statistics came from its own slice: use rank 0's everywhere, the
+                # ones the saved model has. Stage 3: parameters gathered whole for the evaluation
+                # (shards differ in batch count, so forwards through the partitioned module, which
+                # gather collectively, would not pair up across ranks).
+                for buffer in engine.module.buffers():
+                    dist.broadcast(buffer, src=0)
+                batches = eval_batches(test_set, rank=rank, world_size=world_size)
+                with deepspeed_gathered(engine.module.parameters(), stage):
+                    totals = evaluate(engine.module, batches, device, cfg)
+                dist.all_reduce(totals)
+                log.evaluated(due.step, totals, started)
+            if due.checkpoint:  # --- ZERO: every rank writes its partitions, rank 0 the index
+                save_zero_checkpoint(engine, cfg, due.step, n_steps, record, world_size, is_main)
+
+    # --- ZERO: the full fp32 state_dict of the core model, assembled from the partitions (keys identical
+    # for every impl); every rank takes part (stage 3 gathers), rank 0 writes.
+    if cfg.save_final:
+        final = full_fp32_state_dict(engine, stage)
+        if is_main:
+            save_checkpoint(cfg.save_final, final)
+    # --- ZERO: peak memory and model-state bytes (its partitions only) of every rank, gathered to rank 0
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    if is_main:
+        print_summary(record.data)
+    return record.data
+
+
+# ---- The command line: the core options (distref.cli) and ZeRO's own -----------------------------
+# --- ZERO: its options, parsed once into ZeroOptions (cfg.strategy) ---
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--zero-stage",
+        metavar="{0,1,2,3}",
+        type=int,
+        default=2,
+        help="partition nothing (0, = DDP), optimizer states (1), + gradients (2), + parameters (3)",
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="keep the optimizer states (and fp32 master weights) in CPU memory and step there (stage ≥ 1)",
+    )
+    parser.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="keep the parameter partitions in CPU memory between uses (stage 3)",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        metavar="MB",
+        type=positive_float,
+        default=50.0,
+        help="gradient reduce / parameter all-gather bucket size (smaller = less memory, more calls)",
+    )
+    # The `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used.
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+
+
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed: pip install deepspeed==0.19.8 -c <the constraints file pinning torch>"
+    stage = cfg.strategy.zero_stage
+    if stage not in (0, 1, 2, 3):
+        return f"--zero-stage {stage}: ZeRO has stages 0, 1, 2 and 3"
+    if cfg.strategy.offload_params and stage != 3:
+        return f"--offload-params needs --zero-stage 3 (only stage 3 partitions parameters; got {stage})"
+    if cfg.strategy.offload_optimizer and stage == 0:
+        return "--offload-optimizer needs --zero-stage 1, 2 or 3 (stage 0 has no optimizer partition)"
+    if cfg.precision == "fp64":
+        # Measured with 0.19.8: stage 0's gradient all-reduce asserts "unsupported grad type:
+        # torch.float64"; stages 1-3 run, but their optimizer steps on fp32 master copies, i.e. not fp64.
+        return "--precision fp64: DeepSpeed 0.19 trains in fp32, bf16 or fp16 only (fp32 master weights)"
+    if cfg.precision == "bf16" and stage == 0:
+        # DeepSpeed 0.19 runs bf16 at stage 0 through its fp16-style path, without fp32 master weights
+        # (updates rounded to bf16), unlike stages 1-3: refused rather than a less accurate model silently.
+        return "--precision bf16 needs --zero-stage 1, 2 or 3 (stage 0 keeps no fp32 master weights)"
+    return None
+
+
+def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
+    """The command line, checked (one line and exit 2 on bad input, before any rank exists)."""
+    return parse_config(
+        argv,
+        IMPL,
+        add_options,
+        world_size,
+        check_options,
+        description=__doc__,
+        distributed=True,
+        strategy_options=ZeroOptions,
+    )
+
+
+# --- end ZERO options ---
 
 
 if __name__ == "__main__":
     with destroy_process_group_on_exit(IMPL):  # --- ZERO: explicit teardown; stage 2 aborted at exit without
         main()
-    exit_without_interpreter_teardown()  # --- ZERO: gloo threads vs Python's shutdown (distref/dist.py)
+    exit_without_interpreter_teardown()  # --- ZERO: gloo threads vs Python's shutdown (distref/distributed)

@@ -21,8 +21,6 @@ Two forms, one loop:
 Changes against impls/single/train.py are marked `# --- MODEL PARALLEL: ... ---`.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import datetime
@@ -33,9 +31,9 @@ import torch
 import torch.distributed as dist  # --- MODEL PARALLEL ---
 
 from distref import impl_version
-from distref.cli import parse_config
-from distref.config import RunConfig, fail, under_torchrun
-from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cli import exit_on_bad_input, parse_config
+from distref.config import RunConfig, under_torchrun
+from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
@@ -49,54 +47,40 @@ from distref.distributed import (
 from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
-from distref.training import (
+from distref.training.bookkeeping import Cadence, StepLog
+from distref.training.checkpoint import (
     CheckpointError,
-    IntervalTimer,
-    autocast,
-    checkpoint_path,
-    configure_cpu_threads,
-    describe_resume,
     load_checkpoint,
-    loss_fn,
-    make_grad_scaler,
-    make_lr_schedule,
-    make_optimizer,
-    model_state_bytes,
-    param_dtype,
-    pick_device,
-    profiler,
-    progress_bar,
     resume_path,
+    resume_step,
     save_checkpoint,
-    score,
-    seed_everything,
-    stop_if_diverged,
-    synchronize,
-    tensorboard_writer,
-    total_steps,
+    save_step_checkpoint,
     unwrap_state_dict,
 )
+from distref.training.device import (
+    autocast,
+    configure_cpu_threads,
+    param_dtype,
+    pick_device,
+    seed_everything,
+    synchronize,
+)
+from distref.training.measure import IntervalTimer, model_state_bytes
+from distref.training.monitor import profiler
+from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
+from distref.training.steps import loss_fn, score
 
 IMPL = "model_parallel"
 VERSION = impl_version(__file__)
-EVAL_BATCH_SIZE = 1000
-SPLITS_BATCH = False  # --- MODEL PARALLEL: every part sees the whole batch
 
 
-# --- MODEL PARALLEL: strategy options, on top of the core run contract ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--partition",
-        metavar="CUTS",
-        help="block indices where the model is cut, e.g. 2 (two parts) or 1,2,3 (four); "
-        "default: the cut balancing parameter counts",
-    )
-    parser.add_argument(
-        "--devices",
-        metavar="LIST",
-        help="one process, one part per device: cuda:0,cuda:1 (cpu,cpu shows the mechanism on CPU); "
-        "default: one process per part",
-    )
+# --- MODEL PARALLEL: the strategy ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelParallelOptions:
+    """Model parallelism's own options (`add_options`, at the end of this file, gives their help)."""
+
+    partition: str | None
+    devices: str | None
 
 
 def device_list(text: str) -> tuple[list[torch.device] | None, str | None]:
@@ -118,23 +102,6 @@ def device_list(text: str) -> tuple[list[torch.device] | None, str | None]:
     return [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in devices], None
 
 
-def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    if cfg.extra["devices"] is not None:
-        if under_torchrun() and world_size > 1:
-            return "--devices is the one-process form: start it with python, not with several torchrun ranks"
-        devices, problem = device_list(cfg.extra["devices"])
-        if problem:
-            return problem
-        parts = len(devices)
-    else:
-        parts = world_size
-        if cfg.precision == "fp16":
-            # GradScaler decides per process whether a step had inf/nan gradients; the ranks would
-            # disagree (one skips, one steps). bf16 needs no loss scaling.
-            return "--precision fp16 with one process per part would need a shared inf check: use bf16"
-    return choose_cut_points(cfg.model, cfg.extra["partition"], parts, cfg.gpt_layers)[1]
-
-
 @dataclasses.dataclass
 class Links:
     """The ranks holding the parts before and after this process's (None: it holds the first / last
@@ -143,8 +110,58 @@ class Links:
     before: int | None = None
     after: int | None = None
     bytes_sent: int = 0  # activations forward, their gradients backward
+    bytes_per_step: int | None = None  # bytes_sent once the first step is done
+    trained_s: float = 0.0  # the time this session trained, for the busy fraction
     # training time blocked receiving: idle, waiting for a neighbour (CUDA events on a GPU)
     waiting: IntervalTimer = dataclasses.field(default_factory=lambda: IntervalTimer(torch.device("cpu")))
+
+
+def start_parts(cfg: RunConfig) -> tuple[int, int, list[torch.device], str, Links]:
+    """(rank, world_size, this process's devices, backend, links): one process per part in a process group,
+    `links` naming its neighbours; or, with --devices, this one process holding every part, one per device."""
+    if cfg.strategy.devices is not None:
+        devices = device_list(cfg.strategy.devices)[0]
+        if all(d.type == "cpu" for d in devices):
+            print(
+                f"{IMPL}: --devices {cfg.strategy.devices}: every part on the one CPU shows the mechanism, gains nothing"
+            )
+        return 0, 1, devices, "none", Links()
+    rank, world_size, local_rank = torchrun_env()
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a send/recv waiting longer than this fails
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    before, after = rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None
+    return rank, world_size, [device], backend, Links(before, after, waiting=IntervalTimer(device))
+
+
+def apply_model_parallel(
+    model: BlockModel, cuts: list[int], devices: list[torch.device], rank: int, cfg: RunConfig, say: bool
+) -> tuple[BlockModel, list[tuple[BlockModel, torch.device]], list[list[str]]]:
+    """The model cut at `cuts` into parts [first, end) of its blocks. Returns this process's parts, each
+    moved to its device (the blocks themselves: their parameter names stay the core model's), all its
+    blocks as one model (for the optimizer, the state_dict and the model-state bytes), and the block
+    names of every part (for the record)."""
+    bounds = part_bounds(cuts, len(model))
+    blocks = list(model.named_children())
+    names = [[name for name, _ in blocks[a:b]] for a, b in bounds]
+    if say:
+        how = "as given" if cfg.strategy.partition else "balancing parameter counts"
+        shown = " | ".join(",".join(part) for part in names)
+        print(f"{IMPL}: {len(bounds)} parts, cut at {cuts} ({how}): {shown}")
+    mine = bounds if cfg.strategy.devices is not None else [bounds[rank]]  # --devices: every part
+    parts = [(BlockModel(OrderedDict(blocks[a:b])).to(d), d) for (a, b), d in zip(mine, devices, strict=True)]
+    for part, _ in parts:
+        part.activation_checkpointing = cfg.activation_checkpointing
+    held = BlockModel(OrderedDict((n, b) for part, _ in parts for n, b in part.named_children()))
+    return held, parts, names
 
 
 def send_activation(tensor: torch.Tensor, links: Links) -> None:
@@ -155,17 +172,6 @@ def send_activation(tensor: torch.Tensor, links: Links) -> None:
 
 def receive_activation(links: Links, device: torch.device) -> torch.Tensor:
     return recv_tensor(links.before, device)
-
-
-def split_model(
-    model: BlockModel, bounds: list[tuple[int, int]], devices
-) -> list[tuple[BlockModel, torch.device]]:
-    """The parts [first, end) of the model's blocks, each moved to its device (the blocks themselves:
-    their parameter names stay the core model's)."""
-    blocks = list(model.named_children())
-    return [
-        (BlockModel(OrderedDict(blocks[a:b])).to(d), d) for (a, b), d in zip(bounds, devices, strict=True)
-    ]
 
 
 def run_parts(parts: list[tuple[BlockModel, torch.device]], x: torch.Tensor) -> torch.Tensor:
@@ -225,78 +231,71 @@ def evaluate_parts(parts, batches, links: Links, cfg: RunConfig) -> torch.Tensor
     return totals
 
 
-# --- end MODEL PARALLEL options ---
+def losses_of_last_rank(losses: torch.Tensor, last_rank: int) -> torch.Tensor:
+    """The pending step losses as the rank with the last part computed them (the others hold zeros)."""
+    if last_rank > 0:  # several ranks
+        dist.broadcast(losses, src=last_rank)
+    return losses
+
+
+def gather_parts(model: BlockModel, optimizer: torch.optim.Optimizer, world_size: int) -> dict | None:
+    """The checkpoint's states, on rank 0 (None elsewhere): every part's blocks in one state_dict (the core
+    model's keys, fp32) and the list of every part's optimizer state, by rank."""
+    held = {"model": unwrap_state_dict(model), "optimizer": optimizer.state_dict()}
+    gathered = gather_to_rank0(held, world_size)  # [] but on rank 0
+    model_state = {k: v for part in gathered for k, v in part["model"].items()}
+    return {"model": model_state, "optimizer": [part["optimizer"] for part in gathered]} if gathered else None
+
+
+def finish_parts_record(record, global_batch_size: int, state_bytes, links: Links, world_size: int) -> None:
+    """End the run's record with every rank's numbers, gathered to rank 0 (the one that writes it)."""
+    measured = gather_to_rank0(
+        {
+            "peak": record.training_peak_memory(),  # one per device it computes on
+            "state": state_bytes,
+            "bytes_per_step": links.bytes_per_step,
+            "busy_fraction": 1 - links.waiting.seconds() / links.trained_s if links.trained_s else None,
+        },
+        world_size,
+    )
+    if measured:  # rank 0
+        record.add_strategy_facts(
+            bytes_sent_per_step=[m["bytes_per_step"] for m in measured],
+            busy_fraction=[m["busy_fraction"] for m in measured],
+        )
+    record.finish(global_batch_size, [p for m in measured for p in m["peak"]], [m["state"] for m in measured])
+
+
+# --- end MODEL PARALLEL strategy ---
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(
-        argv,
-        IMPL,
-        add_options,
-        check=check_options,
-        description=__doc__,
-        distributed=True,
-        splits_batch=SPLITS_BATCH,
-        one_process=lambda cfg: cfg.extra["devices"] and f"--devices {cfg.extra['devices']} is one process",
-    )
+    cfg = parse_options(argv)
     # --- MODEL PARALLEL: one process per part (launched here from plain python, as ddp does), or with
     # --devices one process driving a part per device. `links` names the neighbouring ranks.
-    one_process = cfg.extra["devices"] is not None
+    one_process = cfg.strategy.devices is not None
     if not one_process and not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)  # starts the ranks and exits
     configure_cpu_threads()
-    if one_process:  # --- MODEL PARALLEL: this process holds every part, one per device
-        rank, world_size = 0, 1
-        devices = device_list(cfg.extra["devices"])[0]
-        if all(d.type == "cpu" for d in devices):
-            print(
-                f"{IMPL}: --devices {cfg.extra['devices']}: every part on the one CPU shows the mechanism, gains nothing"
-            )
-        device, backend, links = devices[-1], "none", Links()
-    else:
-        rank, world_size, local_rank = torchrun_env()
-        device = pick_device(cfg.device, local_rank)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=cfg.timeout)  # a send/recv waiting longer than this fails
-        dist.init_process_group(
-            backend,
-            store=restart_safe_store(timeout),  # keyed by restart count: see distref/dist.py for why
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-        devices = [device]
-        links = Links(rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None)
-        links.waiting = IntervalTimer(device)
+    rank, world_size, devices, backend, links = start_parts(cfg)
+    device = devices[-1]  # --- MODEL PARALLEL: the last part's, where the loss is computed
     is_main = rank == 0  # rank 0 writes the record, checkpoints and the final state_dict
     n_parts = len(devices) if one_process else world_size
-    cuts = choose_cut_points(cfg.model, cfg.extra["partition"], n_parts, cfg.gpt_layers)[0]
+    cuts = choose_cut_points(cfg.model, cfg.strategy.partition, n_parts, cfg.gpt_layers)[0]
     # --- end MODEL PARALLEL ---
 
     # ---- Data and model: the same in every impl -------------------------------------------------
-    try:
+    with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
-    except DataError as exc:
-        fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
     # parameters), keeps its own part(s) on its device(s) and lets the rest go.
-    bounds = part_bounds(cuts, len(model))
-    block_names = [name for name, _ in model.named_children()]
-    if is_main:
-        how = "as given" if cfg.extra["partition"] else "balancing parameter counts"
-        shown = " | ".join(",".join(block_names[a:b]) for a, b in bounds)
-        print(f"{IMPL}: {n_parts} parts, cut at {cuts} ({how}): {shown}")
-    parts = split_model(model, bounds if one_process else [bounds[rank]], devices)
-    model = BlockModel(OrderedDict((n, b) for part, _ in parts for n, b in part.named_children()))
-    for part, _ in parts:
-        part.activation_checkpointing = cfg.activation_checkpointing
+    model, parts, part_names = apply_model_parallel(model, cuts, devices, rank, cfg, say=is_main)
     optimizer = make_optimizer(cfg, model.parameters())  # --- MODEL PARALLEL: this rank's parameters
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
-    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
+    cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
     record = RunRecord(
         IMPL,
         VERSION,
@@ -308,130 +307,76 @@ def main(argv: list[str] | None = None) -> dict:
         devices=n_parts,
         memory_devices=devices,  # --- MODEL PARALLEL: --devices: the peak of each part's device
     )  # --- MODEL PARALLEL: every rank keeps the numbers, rank 0 writes them
-    record.data["strategy"].update(cut_points=cuts, parts=[block_names[a:b] for a, b in bounds])
+    record.add_strategy_facts(cut_points=cuts, parts=part_names)
 
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
-        try:
+        with exit_on_bad_input(IMPL):  # a checkpoint of another run: one line, exit 2
             state = load_checkpoint(path, cfg, n_steps)
             if state["cut_points"] != cuts:  # --- MODEL PARALLEL: parts and optimizer states must match
                 raise CheckpointError(
                     f"checkpoint {path} was cut at {state['cut_points']}, this run at {cuts}"
                 )
-        except CheckpointError as exc:
-            fail(str(exc), IMPL)
         # --- MODEL PARALLEL: one checkpoint for all ranks; each takes its blocks and its optimizer state
         model.load_state_dict(
             {k: v for k, v in state["model"].items() if k.split(".")[0] in dict(model.named_children())}
         )
         optimizer.load_state_dict(state["optimizer"][rank])
         scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        record.load_state(state, path)  # the history so far, and what this session changes
-        start_step = state["step"]
-        if is_main:  # --- MODEL PARALLEL: one line, not one per rank
-            print(f"{IMPL}: {describe_resume(path, state)}")
+        start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- MODEL PARALLEL: said once
 
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
-
     # --- MODEL PARALLEL: every rank reads the same micro-batches (the first part uses x, the last y)
     micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps))
-    bar = progress_bar(n_steps, start_step, enabled=is_main, desc=f"{IMPL} ×{n_parts}")
-    tb = tensorboard_writer(cfg, enabled=is_main)
-    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
-    pending_times: list[float] = []
+    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{n_parts}")
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     last_rank = world_size - 1  # --- MODEL PARALLEL: the rank with the last part has the loss
-    session_train_s = 0.0  # and the time this session trained, for each rank's busy fraction
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
-    try:
-        with profiler(cfg, rank=rank) as prof:  # --- MODEL PARALLEL: one trace per rank
-            for step in range(start_step, n_steps):
-                t0 = time.perf_counter()
-                step_loss = torch.zeros((), device=device)
-                for _ in range(cfg.grad_accum):
-                    x, y = next(micro_batches)
-                    # --- MODEL PARALLEL: this micro-batch through every part and back, one part
-                    # working at a time; micro-batches one after another (no overlap: that is pipelining).
-                    loss = train_micro_batch(parts, x, y, links, cfg, scaler)
-                    step_loss += loss / cfg.grad_accum
-                scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
-                scaler.step(optimizer)
-                scaler.update()
-                if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
-                    record.add_skipped_step(step)
-                scheduler.step()
-                if state_bytes is None:
-                    state_bytes = model_state_bytes(model.parameters(), optimizer)
-                    bytes_per_step = links.bytes_sent  # --- MODEL PARALLEL: measured on the first step
-                optimizer.zero_grad(set_to_none=True)
-                for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
-                    synchronize(part_device)
-                pending_times.append(time.perf_counter() - t0)
-                session_train_s += pending_times[-1]  # --- MODEL PARALLEL
-                pending_losses.append(step_loss)
-                prof.step()
-                bar.update(1)
+    with log, profiler(cfg, rank=rank) as prof:  # --- MODEL PARALLEL: one trace per rank
+        for step in range(start_step, n_steps):
+            started = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(cfg.grad_accum):
+                x, y = next(micro_batches)
+                # --- MODEL PARALLEL: this micro-batch through every part and back, one part
+                # working at a time; micro-batches one after another (no overlap: that is pipelining).
+                loss = train_micro_batch(parts, x, y, links, cfg, scaler)
+                step_loss += loss / cfg.grad_accum
+            scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
+                record.add_skipped_step(step)
+            scheduler.step()
+            if state_bytes is None:
+                state_bytes = model_state_bytes(model.parameters(), optimizer)
+                links.bytes_per_step = links.bytes_sent  # --- MODEL PARALLEL: measured on the first step
+            optimizer.zero_grad(set_to_none=True)
+            for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
+                synchronize(part_device)
+            log.step_done(step_loss, started)
+            links.trained_s += log.times[-1]  # --- MODEL PARALLEL: this step's time, as logged
+            prof.step()
 
-                done = step + 1
-                is_last = done == n_steps
-                eval_now = is_last or (
-                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
-                )
-                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
-                    losses = torch.stack(pending_losses)
-                    if world_size > 1:  # --- MODEL PARALLEL: the losses are the last rank's
-                        dist.broadcast(losses, src=last_rank)
-                    losses = losses.tolist()
-                    record.add_steps(done - len(losses), losses, pending_times)
-                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                    tb.add_scalar("train/loss", losses[-1], done)
-                    pending_losses, pending_times = [], []
-
-                if eval_now:
-                    eval_started = time.perf_counter()
-                    # --- MODEL PARALLEL: every test batch through the chain; the last rank scores it
-                    totals = evaluate_parts(parts, eval_batches(test_set, EVAL_BATCH_SIZE), links, cfg)
-                    if world_size > 1:
-                        dist.broadcast(totals, src=last_rank)
-                    loss_sum, correct, count = totals
-                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(
-                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
-                    )
-                    bar.write(
-                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
-                    )
-                    tb.add_scalar("test/accuracy", accuracy, done)
-
-                if checkpoint_now:
-                    # --- MODEL PARALLEL: rank 0 gathers every part (core keys) and optimizer state
-                    held = {"model": unwrap_state_dict(model), "optimizer": optimizer.state_dict()}
-                    gathered = gather_to_rank0(held, world_size)
-                    if is_main:
-                        state = {
-                            "model": {k: v for part in gathered for k, v in part["model"].items()},
-                            "optimizer": [part["optimizer"] for part in gathered],
-                            "cut_points": cuts,
-                            "scaler": scaler.state_dict(),
-                            "step": done,
-                            "total_steps": n_steps,
-                            "rng": torch.get_rng_state(),
-                            "record": record.state(),
-                            "config": cfg.to_dict(),
-                        }
-                        save_checkpoint(checkpoint_path(cfg.checkpoint_dir, done), state)
-    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
-        record.fail(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        bar.close()
-        tb.close()
+            due = cadence.after(step)
+            if due.log:  # --- MODEL PARALLEL: the losses are the last rank's
+                log.flush(due.step, reduce=lambda losses: losses_of_last_rank(losses, last_rank))
+            if due.eval:
+                started = time.perf_counter()
+                # --- MODEL PARALLEL: every test batch through the chain; the last rank scores it
+                totals = evaluate_parts(parts, eval_batches(test_set), links, cfg)
+                if world_size > 1:
+                    dist.broadcast(totals, src=last_rank)
+                log.evaluated(due.step, totals, started)
+            if due.checkpoint:
+                # --- MODEL PARALLEL: rank 0 gathers every part (core keys) and optimizer state
+                states = gather_parts(model, optimizer, world_size)
+                if is_main:
+                    states.update(cut_points=cuts, scaler=scaler.state_dict())
+                    save_step_checkpoint(cfg, due.step, n_steps, record, **states)
 
     # --- MODEL PARALLEL: rank 0 gathers every part into the full fp32 state_dict (core keys)
     if cfg.save_final:
@@ -440,24 +385,63 @@ def main(argv: list[str] | None = None) -> dict:
             save_checkpoint(cfg.save_final, {k: v for part in parts_state for k, v in part.items()})
     # --- MODEL PARALLEL: each rank's memory and model state (about 1/parts each), its idle time and
     # the bytes it sent per step, gathered to rank 0
-    measured = gather_to_rank0(
-        {
-            "peak": record.training_peak_memory(),  # one per device it computes on
-            "state": state_bytes,
-            "bytes_per_step": bytes_per_step if state_bytes else None,
-            "busy_fraction": 1 - links.waiting.seconds() / session_train_s if session_train_s else None,
-        },
-        world_size,
-    )
-    if is_main:
-        record.data["strategy"]["bytes_sent_per_step"] = [m["bytes_per_step"] for m in measured]
-        record.data["strategy"]["busy_fraction"] = [m["busy_fraction"] for m in measured]
-    record.finish(
-        cfg.global_batch_size, [p for m in measured for p in m["peak"]], [m["state"] for m in measured]
-    )
+    finish_parts_record(record, cfg.global_batch_size, state_bytes, links, world_size)
     if is_main:
         print_summary(record.data)
     return record.data
+
+
+# ---- The command line: the core options (distref.cli) and model parallelism's own ---------------
+# --- MODEL PARALLEL: its options, parsed once into ModelParallelOptions (cfg.strategy) ---
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--partition",
+        metavar="CUTS",
+        help="block indices where the model is cut, e.g. 2 (two parts) or 1,2,3 (four); "
+        "default: the cut balancing parameter counts",
+    )
+    parser.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="one process, one part per device: cuda:0,cuda:1 (cpu,cpu shows the mechanism on CPU); "
+        "default: one process per part",
+    )
+
+
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    if cfg.strategy.devices is not None:
+        if under_torchrun() and world_size > 1:
+            return "--devices is the one-process form: start it with python, not with several torchrun ranks"
+        devices, problem = device_list(cfg.strategy.devices)
+        if problem:
+            return problem
+        parts = len(devices)
+    else:
+        parts = world_size
+        if cfg.precision == "fp16":
+            # GradScaler decides per process whether a step had inf/nan gradients; the ranks would
+            # disagree (one skips, one steps). bf16 needs no loss scaling.
+            return "--precision fp16 with one process per part would need a shared inf check: use bf16"
+    return choose_cut_points(cfg.model, cfg.strategy.partition, parts, cfg.gpt_layers)[1]
+
+
+def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
+    """The command line, checked (one line and exit 2 on bad input, before any rank exists)."""
+    return parse_config(
+        argv,
+        IMPL,
+        add_options,
+        world_size,
+        check_options,
+        description=__doc__,
+        distributed=True,
+        splits_batch=False,
+        one_process=lambda cfg: cfg.strategy.devices and f"--devices {cfg.strategy.devices} is one process",
+        strategy_options=ModelParallelOptions,
+    )
+
+
+# --- end MODEL PARALLEL options ---
 
 
 if __name__ == "__main__":

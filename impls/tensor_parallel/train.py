@@ -22,8 +22,8 @@ Changes against impls/single/train.py are marked `# --- TP: ... ---`.
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
-import sys
 import time
 
 import torch
@@ -43,122 +43,69 @@ from torch.distributed.tensor.parallel import (
 )
 
 from distref import impl_version
-from distref.cli import parse_config
-from distref.config import RunConfig, fail, positive_int, under_torchrun
-from distref.data import DataError, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cli import exit_on_bad_input, parse_config
+from distref.config import RunConfig, positive_int, under_torchrun
+from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
-    gather_to_rank0,
+    finish_record,
     launch_ranks,
     restart_safe_store,
     torchrun_env,
 )
 from distref.models import GPTConfig, build_model
 from distref.record import RunRecord, print_summary
-from distref.training import (
-    CheckpointError,
-    autocast,
+from distref.training.bookkeeping import Cadence, StepLog
+from distref.training.checkpoint import (
     checkpoint_path,
-    configure_cpu_threads,
-    describe_resume,
-    evaluate,
+    checkpoint_state,
     full_state_dict,
     load_checkpoint,
     load_sharded_checkpoint,
-    loss_fn,
-    make_grad_scaler,
-    make_lr_schedule,
-    make_optimizer,
-    model_state_bytes,
-    param_dtype,
-    pick_device,
-    profiler,
-    progress_bar,
     resume_path,
+    resume_step,
     save_checkpoint,
     save_sharded_checkpoint,
-    seed_everything,
-    stop_if_diverged,
-    synchronize,
-    tensorboard_writer,
-    total_steps,
 )
+from distref.training.device import (
+    autocast,
+    configure_cpu_threads,
+    param_dtype,
+    pick_device,
+    seed_everything,
+    synchronize,
+)
+from distref.training.measure import model_state_bytes
+from distref.training.monitor import profiler
+from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
+from distref.training.steps import evaluate, loss_fn
 
 IMPL = "tensor_parallel"
 VERSION = impl_version(__file__)
-EVAL_BATCH_SIZE = 1000
-SPLITS_BATCH = False  # --- TP: check_options splits the batch over --dp-shard only
 
 
-# --- TP: strategy options, on top of the core run contract ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tp",
-        metavar="T",
-        type=positive_int,
-        help="tensor-parallel degree: ranks that split every layer and see the same batch; must divide "
-        "gpt's attention heads (default: world / --dp-shard, i.e. every rank)",
-    )
-    parser.add_argument(
-        "--dp-shard",
-        metavar="D",
-        type=positive_int,
-        help="data-parallel groups of --tp ranks, each on its slice of the global batch, the parameters "
-        "sharded over the groups with FSDP2: a 2-D mesh of D × T ranks (default: world / --tp)",
-    )
-    parser.add_argument(
-        "--sequence-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split layer norms and the residual stream along the sequence (all-gather + reduce-scatter "
-        "per layer instead of an all-reduce; activations 1/T per rank); --no-sequence-parallel repeats "
-        "them on every rank",
-    )
-    parser.add_argument(
-        "--loss-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="cross-entropy on the logits as split over the vocabulary (never gathered whole); "
-        "--no-loss-parallel all-gathers them first",
-    )
+# --- TP: the strategy ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TPOptions:
+    """Tensor parallelism's own options (`add_options`, at the end of this file, gives their help and
+    defaults)."""
+
+    tp: int | None
+    dp_shard: int | None
+    sequence_parallel: bool
+    loss_parallel: bool
 
 
-def mesh_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
+def mesh_shape(options: TPOptions, world_size: int) -> tuple[int, int]:
     """(data-parallel groups, tensor-parallel degree): as given, the one not given filling the world;
     neither given: every rank in one tensor-parallel group."""
-    dp, tp = cfg.extra["dp_shard"], cfg.extra["tp"]
+    dp, tp = options.dp_shard, options.tp
     if tp is None:
         dp = dp or 1
         return dp, max(1, world_size // dp)
     return dp or max(1, world_size // tp), tp
-
-
-def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    if cfg.model != "gpt":
-        return f"--model {cfg.model}: tensor parallelism here splits gpt's attention heads and MLP; use --model gpt"
-    dp, tp = mesh_shape(cfg, world_size)
-    if dp * tp != world_size:
-        if cfg.extra["tp"] is None or cfg.extra["dp_shard"] is None:
-            given = f"--tp {tp}" if cfg.extra["tp"] else f"--dp-shard {dp}"
-            return f"{given} must divide the {world_size} ranks"
-        return f"--dp-shard {dp} × --tp {tp} = {dp * tp} ranks, but the job has {world_size}"
-    gpt = GPTConfig(vocab_size=1, block_size=1)  # the shape --model gpt has (distref.models)
-    if gpt.n_head % tp or (4 * gpt.n_embd) % tp:
-        return (
-            f"--tp {tp} must divide gpt's {gpt.n_head} attention heads and its MLP's {4 * gpt.n_embd} units"
-        )
-    if cfg.global_batch_size % (dp * cfg.grad_accum):
-        return (
-            f"--global-batch-size {cfg.global_batch_size} must be divisible by --dp-shard × --grad-accum "
-            f"= {dp} × {cfg.grad_accum} = {dp * cfg.grad_accum}"
-        )
-    if cfg.precision == "fp16":
-        # GradScaler's inf check would run on each rank's slice of the gradients: ranks could disagree
-        # on skipping a step. bf16 has fp32's range and needs no scaler.
-        return "--precision fp16 is not supported with tensor parallelism here (no sharded loss scaler): use bf16"
-    return None
 
 
 def make_mesh(dp: int, tp: int, device: torch.device) -> DeviceMesh:
@@ -168,13 +115,13 @@ def make_mesh(dp: int, tp: int, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: RunConfig) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions) -> nn.Module:
     """Megatron's split of every gpt block, as a plan of parallel styles (torchtitan's `apply_tp`):
     q/k/v and the MLP's first linear by output rows (ColwiseParallel), the attention's output projection
     and the MLP's second linear by input columns (RowwiseParallel, whose partial products are summed).
     Embeddings are split over their rows (vocabulary, positions), the output layer over the vocabulary.
     Every parameter becomes a DTensor on `tp_mesh`; DTensor's autograd makes the backward's collectives."""
-    sequence_parallel, loss_parallel_ = cfg.extra["sequence_parallel"], cfg.extra["loss_parallel"]
+    sequence_parallel, loss_parallel_ = options.sequence_parallel, options.loss_parallel
     # Between blocks, activations are split along the sequence (dim 1) or whole on every rank.
     between = Shard(1) if sequence_parallel else Replicate()
     plan = {
@@ -241,19 +188,11 @@ def record_held_shapes(model: nn.Module) -> dict[str, list[int]]:
     return shapes
 
 
-# --- end TP options ---
+# --- end TP strategy ---
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(
-        argv,
-        IMPL,
-        add_options,
-        check=check_options,
-        description=__doc__,
-        distributed=True,
-        splits_batch=SPLITS_BATCH,
-    )
+    cfg = parse_options(argv)
     # --- TP: one process per device. Started as `python train.py [--nproc-per-node N]`, this process has
     # only checked the arguments (bad input stops above, before any rank exists); it now starts the ranks
     # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
@@ -266,23 +205,21 @@ def main(argv: list[str] | None = None) -> dict:
     timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
     dist.init_process_group(
         backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/dist.py for why
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
         rank=rank,
         world_size=world_size,
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
-    dp, tp = mesh_shape(cfg, world_size)
+    dp, tp = mesh_shape(cfg.strategy, world_size)
     mesh = make_mesh(dp, tp, device)
     dp_rank = mesh["dp_shard"].get_local_rank()  # which slice of the global batch this rank trains on
     is_main = rank == 0  # rank 0 alone writes the record, the checkpoint index and the final state_dict
     # --- end TP ---
 
     # ---- Data and model: the same in every impl -------------------------------------------------
-    try:
+    with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
-    except DataError as exc:
-        fail(str(exc), IMPL)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -291,21 +228,21 @@ def main(argv: list[str] | None = None) -> dict:
     # scores the gathered parameters (evaluation): kept on the CPU between evaluations, where a whole
     # model on every GPU would undo the split.
     eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
-    model = apply_tp(model, mesh["tp"], cfg)
+    model = apply_tp(model, mesh["tp"], cfg.strategy)
     if dp > 1:
         model = apply_fsdp(model, mesh["dp_shard"])
     optimizer = make_optimizer(cfg, model.parameters())  # over the slices: each rank steps its own
     # --- end TP ---
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
-    epoch_steps = steps_per_epoch(len(train_set), cfg.global_batch_size)
+    cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
     record = RunRecord(
         IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
     )  # --- TP: every rank keeps the numbers, rank 0 writes them
-    record.data["strategy"].update(
+    record.add_strategy_facts(  # --- TP: the mesh, the options, and what each rank holds
         mesh={"dp_shard": dp, "tp": tp},
-        sequence_parallel=cfg.extra["sequence_parallel"],
-        loss_parallel=cfg.extra["loss_parallel"],
+        sequence_parallel=cfg.strategy.sequence_parallel,
+        loss_parallel=cfg.strategy.loss_parallel,
         held_shapes=record_held_shapes(model),  # filled in by the first forward
     )
 
@@ -315,121 +252,76 @@ def main(argv: list[str] | None = None) -> dict:
         # --- TP: the index (step-N.pt: step, record, options, RNG, file hashes) names a complete sharded
         # checkpoint, the folder step-N/ beside it (torch.distributed.checkpoint), whose hashes are checked
         # before DCP reads it. DCP reshards on load: any --tp / --dp-shard loads any other.
-        try:
+        with exit_on_bad_input(IMPL, say=is_main):  # --- TP: every rank finds it; rank 0 says it, once
             state = load_checkpoint(path, cfg, n_steps)
             load_sharded_checkpoint(model, optimizer, path, state)  # this rank's slices, in place
-        except CheckpointError as exc:  # --- TP: every rank finds it; rank 0 says it, once
-            fail(str(exc), IMPL) if is_main else sys.exit(2)
         # --- end TP ---
         scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        record.load_state(state, path)  # the history so far, and what this session changes
-        start_step = state["step"]
-        if is_main:  # --- TP: one line, not one per rank
-            print(f"{IMPL}: {describe_resume(path, state)}")
+        start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- TP: said once
 
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
-
     # --- TP: the data-parallel group's slice of every global batch; the T ranks of a tensor-parallel
     # group read the same one (same order as single, any mesh).
     micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, dp_rank, dp))
-    bar = progress_bar(n_steps, start_step, enabled=is_main, desc=f"{IMPL} {dp}×{tp}")
-    tb = tensorboard_writer(cfg, enabled=is_main)
-    pending_losses: list[torch.Tensor] = []  # per-step losses not yet in the record (no sync per step)
-    pending_times: list[float] = []
+    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {dp}×{tp}")
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     # --- TP: the cross-entropy on vocabulary-split logits, and its backward, run inside this context
-    parallel_loss = loss_parallel if cfg.extra["loss_parallel"] else contextlib.nullcontext
+    parallel_loss = loss_parallel if cfg.strategy.loss_parallel else contextlib.nullcontext
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
-    try:
-        with profiler(cfg, rank=rank) as prof:  # --- TP: one trace per rank
-            for step in range(start_step, n_steps):
-                t0 = time.perf_counter()
-                step_loss = torch.zeros((), device=device)
-                for micro_step in range(cfg.grad_accum):
-                    x, y = next(micro_batches)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    if dp > 1:  # --- TP: reduce-scatter over the groups at the last micro-step only
-                        model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
-                    with parallel_loss():  # --- TP
-                        with autocast(cfg, device):
-                            loss = loss_fn(model(x), y)
-                        # --- TP: each micro-batch is 1/grad_accum of the group's share; FSDP averages over
-                        # the groups: together, the mean over the whole global batch, as in single.
-                        scaler.scale(loss / cfg.grad_accum).backward()
-                    step_loss += local_part(loss).detach() / cfg.grad_accum
-                scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
-                scaler.step(optimizer)
-                scaler.update()
-                if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
-                    record.add_skipped_step(step)
-                scheduler.step()
-                if state_bytes is None:  # --- TP: this rank's slices (DTensors' local parts)
-                    state_bytes = model_state_bytes(model.parameters(), optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                synchronize(device)
-                pending_times.append(time.perf_counter() - t0)
-                pending_losses.append(step_loss)
-                prof.step()
-                bar.update(1)
+    with log, profiler(cfg, rank=rank) as prof:  # --- TP: one trace per rank
+        for step in range(start_step, n_steps):
+            started = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(cfg.grad_accum):
+                x, y = next(micro_batches)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if dp > 1:  # --- TP: reduce-scatter over the groups at the last micro-step only
+                    model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
+                with parallel_loss():  # --- TP
+                    with autocast(cfg, device):
+                        loss = loss_fn(model(x), y)
+                    # --- TP: each micro-batch is 1/grad_accum of the group's share; FSDP averages over
+                    # the groups: together, the mean over the whole global batch, as in single.
+                    scaler.scale(loss / cfg.grad_accum).backward()
+                step_loss += local_part(loss).detach() / cfg.grad_accum
+            scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale:  # inf/nan gradients: the update was skipped, the scale lowered
+                record.add_skipped_step(step)
+            scheduler.step()
+            if state_bytes is None:  # --- TP: this rank's slices (DTensors' local parts)
+                state_bytes = model_state_bytes(model.parameters(), optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+            log.step_done(step_loss, started)
+            prof.step()
 
-                done = step + 1
-                is_last = done == n_steps
-                eval_now = is_last or (
-                    done % cfg.eval_every == 0 if cfg.eval_every else done % epoch_steps == 0
+            due = cadence.after(step)
+            if due.log:
+                # --- TP: average the losses over ranks (one all-reduce for all pending steps): the
+                # groups' slices give the global-batch loss (a group's ranks hold the same value).
+                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+            if due.eval:
+                started = time.perf_counter()
+                # --- TP: each rank scores its shard of the test set with a plain copy of the gathered
+                # model: shards may differ in batch count, and forwards through the split model are
+                # collectives, so they would not pair up across ranks.
+                eval_model.load_state_dict(full_state_dict(model))
+                eval_model.to(device)  # for the evaluation only (see above)
+                totals = evaluate(
+                    eval_model, eval_batches(test_set, rank=rank, world_size=world_size), device, cfg
                 )
-                checkpoint_now = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-                if done % cfg.log_every == 0 or eval_now or checkpoint_now or is_last:
-                    # --- TP: average the losses over ranks (one all-reduce for all pending steps): the
-                    # groups' slices give the global-batch loss (a group's ranks hold the same value).
-                    losses = all_reduce_mean(torch.stack(pending_losses), world_size).tolist()
-                    record.add_steps(done - len(losses), losses, pending_times)
-                    stop_if_diverged(losses, done - len(losses), cfg, IMPL)  # nan/inf: exit 1
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                    tb.add_scalar("train/loss", losses[-1], done)
-                    pending_losses, pending_times = [], []
-
-                if eval_now:
-                    eval_started = time.perf_counter()
-                    # --- TP: each rank scores its shard of the test set with a plain copy of the gathered
-                    # model: shards may differ in batch count, and forwards through the split model are
-                    # collectives, so they would not pair up across ranks.
-                    eval_model.load_state_dict(full_state_dict(model))
-                    eval_model.to(device)  # for the evaluation only (see above)
-                    batches = eval_batches(test_set, EVAL_BATCH_SIZE, rank, world_size)
-                    totals = evaluate(eval_model, batches, device, cfg)
-                    eval_model.to("cpu")
-                    dist.all_reduce(totals)
-                    loss_sum, correct, count = totals
-                    accuracy, eval_loss = (correct / count).item(), (loss_sum / count).item()
-                    record.add_eval(
-                        done, done / epoch_steps, accuracy, eval_loss, time.perf_counter() - eval_started
-                    )
-                    bar.write(
-                        f"{IMPL}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {eval_loss:.4f}"
-                    )
-                    tb.add_scalar("test/accuracy", accuracy, done)
-
-                if checkpoint_now:  # --- TP: every rank writes its slices (DCP), rank 0 the index
-                    state = {
-                        "scaler": scaler.state_dict(),
-                        "step": done,
-                        "total_steps": n_steps,
-                        "rng": torch.get_rng_state(),
-                        "record": record.state(),
-                        "config": cfg.to_dict(),
-                    }
-                    # --- TP: the index step-N.pt, written by rank 0; each rank's slices in step-N/
-                    index = checkpoint_path(cfg.checkpoint_dir, done)
-                    save_sharded_checkpoint(model, optimizer, index, state, is_main)
-    except BaseException as exc:  # the record says the run failed, and why; nothing written is lost
-        record.fail(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        bar.close()
-        tb.close()
+                eval_model.to("cpu")
+                dist.all_reduce(totals)
+                log.evaluated(due.step, totals, started)
+            if due.checkpoint:  # --- TP: every rank writes its slices (DCP), rank 0 the index
+                # --- TP: the index step-N.pt, written by rank 0; each rank's slices in step-N/
+                index = checkpoint_path(cfg.checkpoint_dir, due.step)
+                state = checkpoint_state(cfg, due.step, n_steps, record, scaler=scaler.state_dict())
+                save_sharded_checkpoint(model, optimizer, index, state, is_main)
 
     # --- TP: the full state_dict of the core model, gathered from the slices (keys identical for every
     # impl); every rank takes part, rank 0 writes.
@@ -438,15 +330,91 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             save_checkpoint(cfg.save_final, final)
     # --- TP: peak memory and model-state bytes (its slices only) of every rank, gathered to rank 0
-    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
-    states = gather_to_rank0(state_bytes, world_size)
-    record.finish(cfg.global_batch_size, [int(p) for p in peaks], states)
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
     if is_main:
         print_summary(record.data)
     return record.data
 
 
+# ---- The command line: the core options (distref.cli) and tensor parallelism's own ---------------
+# --- TP: its options, parsed once into TPOptions (cfg.strategy) ---
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tp",
+        metavar="T",
+        type=positive_int,
+        help="tensor-parallel degree: ranks that split every layer and see the same batch; must divide "
+        "gpt's attention heads (default: world / --dp-shard, i.e. every rank)",
+    )
+    parser.add_argument(
+        "--dp-shard",
+        metavar="D",
+        type=positive_int,
+        help="data-parallel groups of --tp ranks, each on its slice of the global batch, the parameters "
+        "sharded over the groups with FSDP2: a 2-D mesh of D × T ranks (default: world / --tp)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split layer norms and the residual stream along the sequence (all-gather + reduce-scatter "
+        "per layer instead of an all-reduce; activations 1/T per rank); --no-sequence-parallel repeats "
+        "them on every rank",
+    )
+    parser.add_argument(
+        "--loss-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cross-entropy on the logits as split over the vocabulary (never gathered whole); "
+        "--no-loss-parallel all-gathers them first",
+    )
+
+
+def check_options(cfg: RunConfig, world_size: int) -> str | None:
+    if cfg.model != "gpt":
+        return f"--model {cfg.model}: tensor parallelism here splits gpt's attention heads and MLP; use --model gpt"
+    dp, tp = mesh_shape(cfg.strategy, world_size)
+    if dp * tp != world_size:
+        if cfg.strategy.tp is None or cfg.strategy.dp_shard is None:
+            given = f"--tp {tp}" if cfg.strategy.tp else f"--dp-shard {dp}"
+            return f"{given} must divide the {world_size} ranks"
+        return f"--dp-shard {dp} × --tp {tp} = {dp * tp} ranks, but the job has {world_size}"
+    gpt = GPTConfig(vocab_size=1, block_size=1)  # the shape --model gpt has (distref.models)
+    if gpt.n_head % tp or (4 * gpt.n_embd) % tp:
+        return (
+            f"--tp {tp} must divide gpt's {gpt.n_head} attention heads and its MLP's {4 * gpt.n_embd} units"
+        )
+    if cfg.global_batch_size % (dp * cfg.grad_accum):
+        return (
+            f"--global-batch-size {cfg.global_batch_size} must be divisible by --dp-shard × --grad-accum "
+            f"= {dp} × {cfg.grad_accum} = {dp * cfg.grad_accum}"
+        )
+    if cfg.precision == "fp16":
+        # GradScaler's inf check would run on each rank's slice of the gradients: ranks could disagree
+        # on skipping a step. bf16 has fp32's range and needs no scaler.
+        return "--precision fp16 is not supported with tensor parallelism here (no sharded loss scaler): use bf16"
+    return None
+
+
+def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
+    """The command line, checked (one line and exit 2 on bad input, before any rank exists)."""
+    return parse_config(
+        argv,
+        IMPL,
+        add_options,
+        world_size,
+        check_options,
+        description=__doc__,
+        distributed=True,
+        splits_batch=False,  # --- TP: check_options splits the batch over --dp-shard only
+        strategy_options=TPOptions,
+    )
+
+
+# --- end TP options ---
+
+
 if __name__ == "__main__":
     with destroy_process_group_on_exit(IMPL):  # --- TP: clean teardown on every exit path
         main()
-    exit_without_interpreter_teardown()  # --- TP: gloo threads vs Python's shutdown (distref/dist.py)
+    exit_without_interpreter_teardown()  # --- TP: gloo threads vs Python's shutdown (distref/distributed)

@@ -31,8 +31,18 @@ CORE_DIR = Path(distref.__file__).parent
 REPO = CORE_DIR.parents[2]  # core/src/distref -> repository root
 
 
+def module_file(name: str) -> Path | None:
+    """The file of distref's module `name` ("training.bookkeeping", "training": its __init__.py)."""
+    path = CORE_DIR.joinpath(*name.split("."))
+    if (path / "__init__.py").is_file():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
 def core_modules_needed(sources: list[Path]) -> set[str]:
-    """Names of the distref modules that `sources` import, followed transitively."""
+    """Names of the distref modules that `sources` import ("training.checkpoint", and the packages above
+    it: "training"), followed transitively; "__init__" is distref's own. What nothing imports (the tools:
+    compare, parity, report, release, export) stays out."""
     needed: set[str] = set()
     queue = list(sources)
     while queue:
@@ -44,10 +54,12 @@ def core_modules_needed(sources: list[Path]) -> set[str]:
             elif isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names if alias.name.split(".")[0] == "distref"]
             for name in names:
-                module = name.split(".")[1] if "." in name else "__init__"
-                if (CORE_DIR / f"{module}.py").exists() and module not in needed:
-                    needed.add(module)
-                    queue.append(CORE_DIR / f"{module}.py")
+                parts = name.split(".")[1:]
+                for k in range(1, len(parts) + 1):  # the module and every package above it
+                    module = ".".join(parts[:k])
+                    if module not in needed and (path := module_file(module)) is not None:
+                        needed.add(module)
+                        queue.append(path)
     return needed | {"__init__"}
 
 
@@ -72,7 +84,9 @@ def first_run(settings: dict) -> str:
 def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str, run: str) -> str:
     """The impl's README with its paths as they are in the export, under a section saying how to install,
     run and test the exported project."""
-    text = text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
+    text = repository_commands_removed(
+        text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
+    )
     launch = "         # starts 2 ranks (--nproc-per-node N)" if launcher == "torchrun" else ""
     return f"""> Exported from distref: impl `{impl}` {stamp["impl_version"]}, core {stamp["core_version"]}, \
 git {stamp["git_sha"] or "unknown"}.
@@ -94,9 +108,30 @@ pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorb
 python -m pytest tests                                 # parity with baseline/single, and more
 ```
 
-`nox -s …` sessions and benchmark scripts named below belong to the distref repository, not to this export.
-
 {text}"""
+
+
+# What an export does not have: the repository's nox sessions, tools, other impls and benchmark scripts.
+NOT_IN_AN_EXPORT = re.compile(r"\bnox\b|python -m distref\.|\bimpls/|benchmark\.py|\.ci/|\bci/")
+
+
+def repository_commands_removed(text: str) -> str:
+    """The README with no command that would fail in the export: a command line in a code block that
+    needs the repository is dropped; one in the prose (`nox -s ddp-gpu`) is named as the repository's,
+    not given as a command."""
+    lines, in_code = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code and NOT_IN_AN_EXPORT.search(line):
+            continue
+        lines.append(line)
+    prose = "\n".join(lines) + "\n"
+    return re.sub(
+        r"`([^`\n]+)`",
+        lambda m: f"{m[1]} (in the distref repository)" if NOT_IN_AN_EXPORT.search(m[1]) else m[0],
+        prose,
+    )
 
 
 def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
@@ -125,10 +160,15 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     # (and those the exported tests and conftest import, e.g. the parity metric)
     tests_and_fixtures = [REPO / "conftest.py", *sorted((source / "tests").rglob("*.py"))]
     for module in sorted(core_modules_needed([*trains, *tests_and_fixtures])):
-        text = rewrite_imports((CORE_DIR / f"{module}.py").read_text(), package)
+        source_file = CORE_DIR / "__init__.py" if module == "__init__" else module_file(module)
+        text = rewrite_imports(source_file.read_text(), package)
         if module == "__init__":
             text += f"\nEXPORTED_FROM = {stamp!r}\n"  # a Python literal (None, not JSON null)
-        (dest / package / f"{module}.py").write_text(text)
+        if module == "testing.runs":  # the tests find train.py here, and single under baseline/
+            text = text.replace("EXPORTED_IMPL = None", f"EXPORTED_IMPL = {impl!r}")
+        target = dest / package / source_file.relative_to(CORE_DIR)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
     for data_file in CORE_DIR.glob("*.json"):  # the record schema
         shutil.copy(data_file, dest / package / data_file.name)
 
@@ -153,9 +193,7 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     shutil.copytree(source / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
     for test in tests.rglob("*.py"):
         test.write_text(rewrite_imports(test.read_text(), package))
-    conftest = rewrite_imports((REPO / "conftest.py").read_text(), package)
-    conftest = conftest.replace("EXPORTED_IMPL = None", f"EXPORTED_IMPL = {impl!r}")
-    (dest / "conftest.py").write_text(conftest)
+    (dest / "conftest.py").write_text(rewrite_imports((REPO / "conftest.py").read_text(), package))
 
     # 3. a pyproject that needs nothing from this repo
     deps = distref.impl_dependencies(impls_dir / impl)
@@ -179,8 +217,8 @@ test = ["pytest", "hypothesis", "torchvision", "numpy", "scikit-learn", "tensorb
 
 # `pip install -c constraints.txt -e .` installs the vendored core; train.py, baseline/ and tests/ run
 # from this folder.
-[tool.setuptools]
-packages = ["{package}"]
+[tool.setuptools.packages.find]
+include = ["{package}*"]
 
 [tool.setuptools.package-data]
 {package} = ["*.json"]

@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import io
 import json
-import math
 import os
 import subprocess
 import sys
@@ -41,13 +40,8 @@ from pathlib import Path
 
 from distref.config import OneLineErrorParser, with_defaults
 from distref.impl_folders import discover, validate
+from distref.parity_metric import FP32_TOLERANCE, FP64_TOLERANCE, max_relative_difference
 
-FP32_TOLERANCE = 1e-5
-# Measured (README): lenet rows at most 6.8e-16. gpt with AdamW amplifies fp64 rounding far more (attention
-# sharpening, Adam's normalisation): two correct single runs, --grad-accum 4 vs 1, differ by 4.4e-13 after
-# 10 steps, and tensor_parallel's gpt rows reach 7.2e-13. Within this, but not by much: a gpt AdamW fp64
-# case that fails it by a little is that amplification until shown otherwise (compare two single runs).
-FP64_TOLERANCE = 1e-12
 WORKLOAD = {
     "--model": "lenet",
     "--dataset": "synthetic",
@@ -192,25 +186,6 @@ def exact_parity(
     a, b = (torch.load(p, weights_only=True) for p in (final, reference))
     difference = max_relative_difference(a, b)
     return {**result, "difference": difference, "passed": difference <= tolerance}
-
-
-def max_relative_difference(a: dict, b: dict) -> float:
-    """max over tensors of ||a - b|| / ||b|| (in float64): the parity metric, here and in the tests. Same
-    keys required; buffers count too, and integer ones (BatchNorm's num_batches_tracked) must be equal
-    (else the result is inf)."""
-    import torch
-
-    if a.keys() != b.keys():
-        raise ValueError(f"different state_dict keys: {sorted(set(a) ^ set(b))}")
-    worst = 0.0
-    for key in b:
-        if not b[key].is_floating_point():
-            if not torch.equal(a[key], b[key]):
-                return math.inf
-            continue
-        denom = b[key].double().norm().item() or 1.0
-        worst = max(worst, (a[key].double() - b[key].double()).norm().item() / denom)
-    return worst
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,6 @@ compared side by side. `--allow-mixed` builds the report anyway, with the differ
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import sys
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from distref.config import RUN_DEFINING_OPTIONS, defining_value
-from distref.parity import max_relative_difference
+from distref.parity_metric import max_relative_difference
 from distref.record import load_record
 
 # Options that define the workload: two runs are compared only if these are equal. What defines a run
@@ -433,12 +432,6 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
 def build_report(
     run_dirs: Sequence[str | Path],
     out: str | Path,
@@ -498,35 +491,19 @@ def build_report(
     report = out / "report.md"
     report.write_text("\n".join(md))
 
-    parts = [f"<h1>distref comparison: {html.escape(workload)}</h1>"]
-    if differences:
-        parts.append(
-            "<p><b>These runs are different workloads:</b> "
-            + html.escape(
-                "; ".join(
-                    [*differences, *(f"{r.label}: {describe_workload(r.record['config'])}" for r in runs)]
-                )
-            )
-            + "</p>"
-        )
-    if failures:
-        parts += ["<h2>Failed runs</h2>", _html_table(["run", "error", "run dir"], failures)]
-    for title, (header, rows) in table_data.items():
-        parts += [f"<h2>{html.escape(title)}</h2>", _html_table(header, rows)]
-        if title.startswith("Parity"):
-            parts.append(f"<p>{html.escape(PARITY_NOTE)}</p>")
-        if title.startswith("Time to target"):
-            parts.append(f"<p>{html.escape(TARGET_NOTE)}</p>")
-        if title.startswith("Throughput"):
-            parts.append(f"<p>{html.escape(EFFICIENCY_NOTE)}</p>")
-    for title, name in plots.items():
-        parts += [f"<h2>{html.escape(title)}</h2>", f'<img src="{name}" alt="{html.escape(title)}">']
+    # The page is the same Markdown, rendered (tables on; raw HTML off: an error message's "<" is text).
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:
+        raise SystemExit(
+            "distref.report: error: report.html needs markdown-it-py: pip install markdown-it-py "
+            f"(report.md is written: {report})"
+        ) from None
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render("\n".join(md))
     style = (
         "body{font-family:sans-serif;max-width:60em;margin:auto}td,th{border:1px solid #ccc;padding:2px 6px}"
     )
-    (out / "report.html").write_text(
-        f"<!doctype html><meta charset=utf-8><style>{style}</style>" + "".join(parts)
-    )
+    (out / "report.html").write_text(f"<!doctype html><meta charset=utf-8><style>{style}</style>{body}")
     return report
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (
+from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,

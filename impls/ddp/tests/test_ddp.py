@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from conftest import (
+from distref.testing import (
     DATA_ROOT,
+    FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
     ROOT,
@@ -35,8 +36,6 @@ from conftest import (
     torchrun,
     train_path,
 )
-from distref.cli import parse_config
-from distref.parity import FP64_TOLERANCE
 
 TRAIN = str(train_path("ddp"))
 SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]
@@ -222,7 +221,7 @@ def test_static_graph_with_grad_accum_is_refused_in_one_line(capsys):
     ddp = load_train_module("ddp")
     with pytest.raises(SystemExit) as exc:
         argv = ["--dataset", "synthetic", "--static-graph", "--grad-accum", "2"]
-        parse_config(argv, "ddp", ddp.add_options, 2, ddp.check_options)
+        ddp.parse_options(argv, 2)
     assert exc.value.code == 2
     assert capsys.readouterr().err == (
         "ddp/train.py: error: --static-graph cannot be combined with --grad-accum > 1 (no_sync) in torch "

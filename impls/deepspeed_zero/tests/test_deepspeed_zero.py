@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (
+from distref.testing import (
     PARITY_TOLERANCE,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
@@ -24,7 +24,6 @@ from conftest import (
     self_launched,
     train_path,
 )
-from distref.cli import parse_config
 from distref.training import CheckpointError, latest_checkpoint
 
 IMPL = "deepspeed_zero"
@@ -218,7 +217,7 @@ def test_checkpoint_of_another_layout_or_altered_is_refused_in_one_line(tmp_path
 def test_bad_input_is_one_line_before_any_process_group(argv, world, message, capsys):
     zero = load_train_module(IMPL)
     with pytest.raises(SystemExit) as exc:
-        parse_config(["--dataset", "synthetic", *argv], IMPL, zero.add_options, world, zero.check_options)
+        zero.parse_options(["--dataset", "synthetic", *argv], world)
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"deepspeed_zero/train.py: error: {message}\n"
 
@@ -230,7 +229,7 @@ def test_missing_deepspeed_is_one_line(monkeypatch, capsys):
         zero.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else find_spec(name)
     )
     with pytest.raises(SystemExit) as exc:
-        parse_config(["--dataset", "synthetic"], IMPL, zero.add_options, 2, zero.check_options)
+        zero.parse_options(["--dataset", "synthetic"], 2)
     assert exc.value.code == 2
     assert capsys.readouterr().err == (
         "deepspeed_zero/train.py: error: deepspeed is not installed: pip install deepspeed==0.19.8 -c <the "

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import (
+from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
     batchnorm_args,
@@ -23,7 +23,6 @@ from conftest import (
     score_saved_model,
     self_launched,
 )
-from distref.cli import parse_config
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
 TIMEOUT = ["--timeout", "60"]
@@ -139,7 +138,7 @@ def test_bad_input_is_one_line(args, message, capsys):
     """What the launcher checks before starting any rank (2 ranks asked for), in this process."""
     mp = load_train_module("model_parallel")
     with pytest.raises(SystemExit) as exc:
-        parse_config(["--dataset", "synthetic", *args], "model_parallel", mp.add_options, 2, mp.check_options)
+        mp.parse_options(["--dataset", "synthetic", *args], 2)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("model_parallel/train.py: error: ") and message in err, err

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import (
+from distref.cli import parse_config
+from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
@@ -25,7 +26,6 @@ from conftest import (
     score_saved_model,
     self_launched,
 )
-from distref.cli import parse_config
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
 TIMEOUT = ["--timeout", "60"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import (
+from distref.testing import (
     batchnorm_args,
     counting_block_calls,
     expected_time_to_target,

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from conftest import (
+from distref.parity import FP64_TOLERANCE
+from distref.testing import (
     GPU_PARITY,
     PARITY_TOLERANCE,
     check_killed_rank_ends_the_job,
@@ -22,8 +23,6 @@ from conftest import (
     score_saved_model,
     self_launched,
 )
-from distref.cli import parse_config
-from distref.parity import FP64_TOLERANCE
 
 IMPL = "tensor_parallel"
 GPT = ["--model", "gpt", "--dataset", "synthetic"]
@@ -218,14 +217,7 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
 def test_bad_input_is_one_line_before_any_process_group(argv, world, message, capsys):
     tp = load_train_module(IMPL)
     with pytest.raises(SystemExit) as exc:
-        parse_config(
-            ["--dataset", "synthetic", *argv],
-            IMPL,
-            tp.add_options,
-            world,
-            tp.check_options,
-            splits_batch=False,
-        )
+        tp.parse_options(["--dataset", "synthetic", *argv], world)
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"tensor_parallel/train.py: error: {message}\n"
 
@@ -236,9 +228,7 @@ def test_fp16_is_refused_with_the_reason_even_where_cuda_would_take_it(monkeypat
     monkeypatch.setattr(distref.cli, "uses_cuda", lambda cfg: True)
     tp = load_train_module(IMPL)
     with pytest.raises(SystemExit):
-        parse_config(
-            [*GPT, "--precision", "fp16"], IMPL, tp.add_options, 2, tp.check_options, splits_batch=False
-        )
+        tp.parse_options([*GPT, "--precision", "fp16"], 2)
     assert "no sharded loss scaler): use bf16" in capsys.readouterr().err
 
 
