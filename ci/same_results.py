@@ -66,7 +66,7 @@ def main() -> int:
             if args.mode == "save":
                 print(f"{impl:16} {model:6} saved {saved}")
                 continue
-            before, after = torch.load(saved), torch.load(final)
+            before, after = torch.load(saved, weights_only=True), torch.load(final, weights_only=True)
             same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
             differing += not same
             print(f"{impl:16} {model:6} {'bit-identical' if same else 'DIFFERENT'} ({len(after)} tensors)")

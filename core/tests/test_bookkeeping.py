@@ -23,12 +23,12 @@ def test_cadence_says_what_is_due_after_each_step():
     --checkpoint-every steps, and the losses before each of those as well as every --log-every steps."""
     cadence = Cadence(config(eval_every=0, checkpoint_every=4, log_every=3, checkpoint_dir="x"), 10, 5)
     due = [cadence.after(step) for step in range(10)]
-    assert [d.step for d in due if d.eval] == [5, 10]  # every epoch of 5 steps, and the last
-    assert [d.step for d in due if d.checkpoint] == [4, 8]
-    assert [d.step for d in due if d.log] == [3, 4, 5, 6, 8, 9, 10]
-    assert [d.step for d in due if d.last] == [10]
+    assert [d.done for d in due if d.eval] == [5, 10]  # every epoch of 5 steps, and the last
+    assert [d.done for d in due if d.checkpoint] == [4, 8]
+    assert [d.done for d in due if d.log] == [3, 4, 5, 6, 8, 9, 10]
+    assert [d.done for d in due if d.last] == [10]
     every_2 = Cadence(config(eval_every=2), 5, 100)
-    assert [every_2.after(s).step for s in range(5) if every_2.after(s).eval] == [2, 4, 5]
+    assert [every_2.after(s).done for s in range(5) if every_2.after(s).eval] == [2, 4, 5]
 
 
 def test_step_log_flushes_losses_into_the_record_and_stops_a_diverged_run(tmp_path):

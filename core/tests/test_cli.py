@@ -182,7 +182,7 @@ BAD_CASES = [
 
 @functools.cache
 def train_module(impl: str):
-    from conftest import load_train_module
+    from distref.testing import load_train_module
 
     return load_train_module(impl)
 

@@ -124,7 +124,7 @@ def test_a_skipped_gpu_test_fails_where_the_gpu_tests_must_run():
     """The GPU workflow sets DISTREF_REQUIRE_GPU=1: a gpu test that skips (no usable GPU) fails there."""
     import sys
 
-    from conftest import run_script
+    from distref.testing import run_script
 
     test = "impls/pipeline/tests/test_pipeline.py::test_two_gpus_match_single"
     args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", test]

@@ -139,7 +139,7 @@ def test_a_run_s_wall_time_counts_its_start_up_from_the_process_start(tmp_path):
     import sys
     import time
 
-    from conftest import ROOT, run_script
+    from distref.testing import ROOT, run_script
 
     started = time.perf_counter()
     result = run_script(

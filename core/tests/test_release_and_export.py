@@ -273,7 +273,7 @@ def test_exported_project_installs_editable_and_its_tests_run_on_the_install(tmp
     assert after.stdout.strip() == str(dest / "distref_ddp" / "__init__.py")  # editable: the folder's copy
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DISTREF"))}
     # 4 steps in-process; a parse; and 2 ranks against single, started as the export's own tests start them
-    # (conftest.launch: forked from a fork server that imports distref_ddp)
+    # (distref.testing.launch: forked from a fork server that imports distref_ddp)
     tests = "ddp_options_take_effect or static_graph_with_grad_accum or (parity_with_single and 2-gpt)"
     result = subprocess.run(
         [str(python), "-s", "-E", "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests],

@@ -389,7 +389,7 @@ def test_the_scan_sees_the_loads_it_is_about():
         _rel(p): sorted({n for _, n, _ in _references(_parse(p), TORCH_LOADS | PICKLE_LOADS)})
         for p in PRODUCTION_FILES
     }
-    assert "torch.load" in found["core/src/distref/checkpoint.py"]
+    assert "torch.load" in found["core/src/distref/training/checkpoint.py"]
     assert "torch.load" in found["impls/pipeline/train.py"]  # its per-stage files
     checks = _production_checks()
     assert {"_md5", "file_sha256"} <= checks.digests
@@ -397,10 +397,12 @@ def test_the_scan_sees_the_loads_it_is_about():
     assert "fail" in checks.no_return
     unpickling = {_rel(p): sorted({n for _, n in _unpickling(_parse(p))}) for p in PRODUCTION_FILES}
     assert "engine.load_checkpoint" in unpickling["impls/deepspeed_zero/train.py"]
-    assert "torch.distributed.checkpoint.load" in unpickling["core/src/distref/checkpoint.py"]  # fsdp, TP
-    assert "pickle.loads" in unpickling["core/src/distref/data.py"]
+    assert (
+        "torch.distributed.checkpoint.load" in unpickling["core/src/distref/training/checkpoint.py"]
+    )  # fsdp, TP
+    assert "pickle.loads" in unpickling["core/src/distref/data/mnist.py"]
     # distref's own load_checkpoint is weights_only: DCP's load (sharded checkpoints) is the one there
-    assert unpickling["core/src/distref/checkpoint.py"] == ["torch.distributed.checkpoint.load"]
+    assert unpickling["core/src/distref/training/checkpoint.py"] == ["torch.distributed.checkpoint.load"]
 
 
 UNSAFE_SOURCES = {
@@ -520,7 +522,7 @@ def _zero_checkpoint(tmp_path: Path, extra: dict[str, bytes]) -> tuple[Path, dic
 
 def test_a_zero_checkpoint_holding_what_its_index_lists_is_accepted(tmp_path):
     pytest.importorskip("deepspeed")
-    from conftest import load_train_module
+    from distref.testing import load_train_module
 
     index, state = _zero_checkpoint(tmp_path, extra={})
     load_train_module("deepspeed_zero").check_zero_checkpoint(index, state, stage=2, world_size=2)
@@ -555,7 +557,7 @@ def test_launched_ranks_rendezvous_on_loopback(monkeypatch):
     listens on every interface whatever address it is given: that is not something an argv can change.)"""
     import torch.distributed.run as torch_run
 
-    from distref.config import RunConfig
+    from distref.config import Launch, RunConfig
     from distref.distributed import launch_ranks
 
     launched = []
@@ -568,9 +570,7 @@ def test_launched_ranks_rendezvous_on_loopback(monkeypatch):
     monkeypatch.setattr(torch.multiprocessing, "_set_thread_name", lambda name: None)  # run() renames us
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(SystemExit) as exit_:
-        launch_ranks(
-            "train.py", ["--steps", "2"], RunConfig(extra={"nproc_per_node": 2, "max_restarts": 1}), "x"
-        )
+        launch_ranks("train.py", ["--steps", "2"], RunConfig(launch=Launch(2, 1)), "x")
     assert exit_.value.code == 0
     ((config, launched_at),) = launched
     # The ranks learn when the launcher started (their start-up counts it); this process forgets it again.

@@ -9,7 +9,7 @@ step; one Python process runs all replicas, so they contend for the GIL; and GPU
 outputs, the loss and the optimizer, so it needs more memory and does more work than the others. DDP
 keeps one replica per process and moves only gradients.
 
-Without a GPU, or with one, DataParallel has nothing to split across and runs the module as is: the
+Without a GPU, or with only one, DataParallel has nothing to split across and runs the module as is: the
 impl says so at start-up and trains the same code path.
 
     python impls/dataparallel/train.py --epochs 2 --out runs/dataparallel
@@ -178,15 +178,15 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                log.flush(due.step)
+                log.flush(due.done)
             if due.eval:
                 started = time.perf_counter()
                 totals = evaluate(model, eval_batches(test_set), device, cfg)
-                log.evaluated(due.step, totals, started)
+                log.evaluated(due.done, totals, started)
             if due.checkpoint:
                 # --- DataParallel: the core model's state_dict (no "module." prefix)
                 states = dict(model=model.module.state_dict(), optimizer=optimizer.state_dict())
-                save_step_checkpoint(cfg, due.step, n_steps, record, **states, scaler=scaler.state_dict())
+                save_step_checkpoint(cfg, due.done, n_steps, record, **states, scaler=scaler.state_dict())
 
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))

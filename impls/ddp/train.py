@@ -79,7 +79,7 @@ class DDPOptions:
     comm_hook: str
 
 
-def apply_ddp(model: nn.Module, ddp: DDPOptions, device: torch.device, rank: int) -> DDP:
+def apply_ddp(model: nn.Module, options: DDPOptions, device: torch.device, rank: int) -> DDP:
     """Wrap the model in DDP (after it is on its device, before the optimizer is built)."""
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if has_batchnorm and device.type == "cuda":
@@ -94,11 +94,11 @@ def apply_ddp(model: nn.Module, ddp: DDPOptions, device: torch.device, rank: int
     ddp_model = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=ddp.bucket_cap_mb,
-        static_graph=ddp.static_graph,
-        gradient_as_bucket_view=ddp.grad_as_bucket_view,
+        bucket_cap_mb=options.bucket_cap_mb,
+        static_graph=options.static_graph,
+        gradient_as_bucket_view=options.grad_as_bucket_view,
     )
-    hook = ddp.comm_hook
+    hook = options.comm_hook
     if hook == "fp16":
         ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "bf16":
@@ -228,24 +228,24 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:
                 # --- DDP: average the losses over ranks (one all-reduce for all pending steps), so
                 # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
-                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
                 started = time.perf_counter()
                 # --- DDP: each rank scores its shard of the test set with the bare module (no DDP
                 # forward: shards may differ in batch count); sums are all-reduced into global numbers.
-                # Parameters are identical on every rank, but each rank's last forward updated its own
-                # BatchNorm running statistics from its own slice: score the model rank 0 saves, with
-                # rank 0's buffers everywhere (DDP itself broadcasts them at the next forward anyway).
+                # Parameters are identical on every rank, but on CPU (no SyncBatchNorm) each rank's last
+                # forward updated its own BatchNorm running statistics from its own slice: score the model
+                # rank 0 saves, with rank 0's buffers everywhere (DDP broadcasts them at the next forward).
                 for buffer in model.module.buffers():
                     dist.broadcast(buffer, src=0)
                 totals = evaluate(
                     model.module, eval_batches(test_set, rank=rank, world_size=world_size), device, cfg
                 )
                 dist.all_reduce(totals)
-                log.evaluated(due.step, totals, started)
+                log.evaluated(due.done, totals, started)
             if due.checkpoint and is_main:  # --- DDP: replicas are identical; rank 0 saves for all
                 states = dict(model=model.module.state_dict(), optimizer=optimizer.state_dict())
-                save_step_checkpoint(cfg, due.step, n_steps, record, **states, scaler=scaler.state_dict())
+                save_step_checkpoint(cfg, due.done, n_steps, record, **states, scaler=scaler.state_dict())
 
     # --- DDP: rank 0 saves the full fp32 state_dict of the core model (keys identical for every impl)
     if cfg.save_final and is_main:

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:
                 # --- ZERO: average the losses over ranks (one all-reduce for all pending steps), so
                 # rank 0 reports the global-batch loss, not its own slice's.
-                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
                 started = time.perf_counter()
                 # --- ZERO: each rank scores its shard of the test set; sums are all-reduced. Each
@@ -358,9 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
                 with deepspeed_gathered(engine.module.parameters(), stage):
                     totals = evaluate(engine.module, batches, device, cfg)
                 dist.all_reduce(totals)
-                log.evaluated(due.step, totals, started)
+                log.evaluated(due.done, totals, started)
             if due.checkpoint:  # --- ZERO: every rank writes its partitions, rank 0 the index
-                save_zero_checkpoint(engine, cfg, due.step, n_steps, record, world_size, is_main)
+                save_zero_checkpoint(engine, cfg, due.done, n_steps, record, world_size, is_main)
 
     # --- ZERO: the full fp32 state_dict of the core model, assembled from the partitions (keys identical
     # for every impl); every rank takes part (stage 3 gathers), rank 0 writes.
@@ -445,6 +445,6 @@ def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunC
 
 
 if __name__ == "__main__":
-    with destroy_process_group_on_exit(IMPL):  # --- ZERO: explicit teardown; stage 2 aborted at exit without
+    with destroy_process_group_on_exit(IMPL):  # --- ZERO: explicit teardown (stage 2 aborted without)
         main()
     exit_without_interpreter_teardown()  # --- ZERO: gloo threads vs Python's shutdown (distref/distributed)

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, under_torchrun
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
@@ -83,6 +83,25 @@ class FSDPOptions:
     hsdp: int
 
 
+def start_process_group(
+    cfg: RunConfig, rank: int, world_size: int, local_rank: int
+) -> tuple[torch.device, str]:
+    """This rank's device (one per rank), and the process group over every rank: NCCL on CUDA, gloo on the
+    CPU. Returns (device, backend)."""
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return device, backend
+
+
 def make_mesh(world_size: int, replicas: int, device: torch.device) -> DeviceMesh:
     """1-D mesh of every rank (FSDP), or 2-D (replicate, shard) for --hsdp R: ranks 0..S-1 form the first
     replica's shard group, S..2S-1 the second's, and so on (neighbours shard: on a cluster, one node)."""
@@ -118,6 +137,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: RunConfig, device: torch
     return model
 
 
+def evaluate_gathered(
+    model: nn.Module, eval_model: nn.Module, test_set: TensorData, device: torch.device, cfg: RunConfig
+) -> torch.Tensor:
+    """The test set's [loss sum, correct, count], each rank scoring its shard of it with `eval_model`, a
+    plain copy of the model loaded with the gathered parameters: forwards through the sharded model
+    all-gather collectively, and shards may differ in batch count, so they would not pair up across ranks.
+    BatchNorm statistics (buffers, not sharded) are rank 0's everywhere: the saved model's. A collective."""
+    eval_model.load_state_dict(full_state_dict(model))
+    eval_model.to(device)  # for the evaluation only: a whole model on every GPU would undo the sharding
+    for buffer in eval_model.buffers():
+        dist.broadcast(buffer, src=0)
+    batches = eval_batches(test_set, rank=dist.get_rank(), world_size=dist.get_world_size())
+    totals = evaluate(eval_model, batches, device, cfg)
+    eval_model.to("cpu")
+    dist.all_reduce(totals)  # the ranks' sums: the whole test set's
+    return totals
+
+
 # --- end FSDP strategy ---
 
 
@@ -130,17 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         launch_ranks(__file__, argv, cfg, IMPL)
     rank, world_size, local_rank = torchrun_env()
     configure_cpu_threads()
-    device = pick_device(cfg.device, local_rank)  # --- FSDP: one device per rank, and a process group
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    device, backend = start_process_group(cfg, rank, world_size, local_rank)  # --- FSDP: one device per rank
     mesh = make_mesh(world_size, cfg.strategy.hsdp, device)
     is_main = rank == 0  # rank 0 alone writes the record, the checkpoint index and the final state_dict
     # --- end FSDP ---
@@ -224,27 +251,16 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:
                 # --- FSDP: average the losses over ranks (one all-reduce for all pending steps), so
                 # rank 0 reports the global-batch loss, not its own slice's.
-                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
                 started = time.perf_counter()
-                # --- FSDP: each rank scores its shard of the test set with a plain copy of the
-                # gathered model: forwards through the sharded model all-gather collectively, and
-                # shards may differ in batch count, so they would not pair up across ranks. BatchNorm
-                # statistics (buffers, not sharded) are rank 0's everywhere: the saved model's.
-                eval_model.load_state_dict(full_state_dict(model))
-                eval_model.to(device)  # for the evaluation only (see above)
-                for buffer in eval_model.buffers():
-                    dist.broadcast(buffer, src=0)
-                totals = evaluate(
-                    eval_model, eval_batches(test_set, rank=rank, world_size=world_size), device, cfg
-                )
-                eval_model.to("cpu")
-                dist.all_reduce(totals)
-                log.evaluated(due.step, totals, started)
-            if due.checkpoint:  # --- FSDP: every rank writes its shards (DCP), rank 0 the index
-                # --- FSDP: the index step-N.pt, written by rank 0; each rank's shards in step-N/
-                index = checkpoint_path(cfg.checkpoint_dir, due.step)
-                state = checkpoint_state(cfg, due.step, n_steps, record, scaler=scaler.state_dict())
+                # --- FSDP: each rank scores its shard of the test set with a plain copy of the gathered
+                # model (evaluate_gathered says why); the sums are all-reduced into global numbers.
+                totals = evaluate_gathered(model, eval_model, test_set, device, cfg)
+                log.evaluated(due.done, totals, started)
+            if due.checkpoint:  # --- FSDP: every rank writes its shards in step-N/ (DCP), rank 0 the index
+                index = checkpoint_path(cfg.checkpoint_dir, due.done)  # step-N.pt, written by rank 0
+                state = checkpoint_state(cfg, due.done, n_steps, record, scaler=scaler.state_dict())
                 save_sharded_checkpoint(model, optimizer, index, state, is_main)
 
     # --- FSDP: the full state_dict of the core model, gathered from the shards (keys identical for every

@@ -363,20 +363,20 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:  # --- MODEL PARALLEL: the losses are the last rank's
-                log.flush(due.step, reduce=lambda losses: losses_of_last_rank(losses, last_rank))
+                log.flush(due.done, reduce=lambda losses: losses_of_last_rank(losses, last_rank))
             if due.eval:
                 started = time.perf_counter()
                 # --- MODEL PARALLEL: every test batch through the chain; the last rank scores it
                 totals = evaluate_parts(parts, eval_batches(test_set), links, cfg)
                 if world_size > 1:
                     dist.broadcast(totals, src=last_rank)
-                log.evaluated(due.step, totals, started)
+                log.evaluated(due.done, totals, started)
             if due.checkpoint:
                 # --- MODEL PARALLEL: rank 0 gathers every part (core keys) and optimizer state
                 states = gather_parts(model, optimizer, world_size)
                 if is_main:
                     states.update(cut_points=cuts, scaler=scaler.state_dict())
-                    save_step_checkpoint(cfg, due.step, n_steps, record, **states)
+                    save_step_checkpoint(cfg, due.done, n_steps, record, **states)
 
     # --- MODEL PARALLEL: rank 0 gathers every part into the full fp32 state_dict (core keys)
     if cfg.save_final:

@@ -50,6 +50,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
@@ -124,10 +125,10 @@ class PipelineOptions:
     partition: str | None
 
 
-def stages_per_rank(pipeline: PipelineOptions) -> int:
-    if pipeline.stages_per_rank is not None:
-        return pipeline.stages_per_rank
-    return 1 if pipeline.schedule in ONE_STAGE_PER_RANK else 2
+def stages_per_rank(options: PipelineOptions) -> int:
+    if options.stages_per_rank is not None:
+        return options.stages_per_rank
+    return 1 if options.schedule in ONE_STAGE_PER_RANK else 2
 
 
 def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
@@ -135,6 +136,24 @@ def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
     if schedule in V_SHAPED:
         return [pp_rank, 2 * p - 1 - pp_rank]
     return [pp_rank + k * p for k in range(v)]
+
+
+def start_process_group(cfg: RunConfig) -> tuple[int, int, torch.device, str]:
+    """This rank's process group over every rank (one process per stage rank): (rank, world size, this
+    rank's device, the backend)."""
+    rank, world_size, local_rank = torchrun_env()
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a send/recv waiting longer than this fails
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world_size, device, backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +174,17 @@ class PipelineMesh:
         return self.p * self.v
 
 
-def pipeline_mesh(device: torch.device, pipeline: PipelineOptions, world_size: int) -> PipelineMesh:
-    """The mesh of pipelines × stage ranks: rank r's pipeline rank is r % p, its replica index r // p."""
-    p, v = world_size // pipeline.dp, stages_per_rank(pipeline)
-    mesh = init_device_mesh(device.type, (pipeline.dp, p), mesh_dim_names=("dp", "pp"))
+def pipeline_mesh(device: torch.device, options: PipelineOptions, world_size: int) -> PipelineMesh:
+    """A 2-D mesh of (pipelines, stage ranks): rank r's pipeline rank is r % p, its replica index r // p."""
+    p, v = world_size // options.dp, stages_per_rank(options)
+    mesh = init_device_mesh(device.type, (options.dp, p), mesh_dim_names=("dp", "pp"))
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     owner = [0] * (p * v)
     for r in range(p):
-        for s in stage_indices(pipeline.schedule, r, p, v):
+        for s in stage_indices(options.schedule, r, p, v):
             owner[s] = dist.get_global_rank(pp_group, r)
-    my_stages = stage_indices(pipeline.schedule, pp_rank, p, v)
+    my_stages = stage_indices(options.schedule, pp_rank, p, v)
     return PipelineMesh(p, v, pp_group, dp_group, pp_rank, dp_rank, owner, my_stages)
 
 
@@ -182,14 +201,14 @@ def cut_into_stages(
     stage's example input and output (`stage_examples`, for micro-batch `example`); and the layout:
     the blocks each pipeline rank holds. Each stage is a BlockModel of whole blocks, so parameter
     names stay the core model's."""
-    pipeline, p, v = cfg.strategy, mesh.p, mesh.v
+    options, p, v = cfg.strategy, mesh.p, mesh.v
     blocks = list(model.named_children())
     bounds = part_bounds(cuts, len(blocks))
     if say:
-        how = "as given" if pipeline.partition else "balancing parameter counts"
+        how = "as given" if options.partition else "balancing parameter counts"
         shown = " | ".join(",".join(name for name, _ in blocks[a:b]) for a, b in bounds)
         print(
-            f"{IMPL}: {pipeline.schedule}, {pipeline.microbatches} micro-batches, {pipeline.dp} pipeline(s) "
+            f"{IMPL}: {options.schedule}, {options.microbatches} micro-batches, {options.dp} pipeline(s) "
             f"× {p} ranks × {v} stage(s); cut at {cuts} ({how}): {shown}"
         )
     # One example forward of the whole model on the device gives every stage its shapes; then only this
@@ -202,14 +221,8 @@ def cut_into_stages(
     for module in stage_modules.values():
         module.activation_checkpointing = cfg.activation_checkpointing
     # What each pipeline rank holds: a checkpoint's stage files fit only the same layout.
-    layout = [
-        [
-            name
-            for s in sorted(stage_indices(pipeline.schedule, r, p, v))
-            for name, _ in blocks[slice(*bounds[s])]
-        ]
-        for r in range(p)
-    ]
+    by_rank = [sorted(stage_indices(options.schedule, r, p, v)) for r in range(p)]
+    layout = [[name for s in held for name, _ in blocks[slice(*bounds[s])]] for held in by_rank]
     return stage_modules, examples, layout
 
 
@@ -249,9 +262,9 @@ def build_schedule(
     stage_modules: dict[int, BlockModel],
     examples: list[tuple[torch.Tensor, torch.Tensor]],
     mesh: PipelineMesh,
-    pipeline: PipelineOptions,
+    options: PipelineOptions,
     device: torch.device,
-) -> tuple[list[TimedStage], object]:
+) -> tuple[list[TimedStage], PipelineScheduleSingle | PipelineScheduleMulti]:
     """This rank's PipelineStages (each timing its own work: the bubble) and the schedule that runs them."""
     n_stages, pp_group, my_stages = mesh.n_stages, mesh.pp_group, mesh.my_stages
     stages = [  # in the schedule's order for this rank
@@ -261,13 +274,37 @@ def build_schedule(
     # scale_grads=True, divides them by M once at the end: the mean over the pipeline's batch, as
     # single --grad-accum M gets by dividing each loss by M. Dividing the loss here as well would
     # shrink every gradient M-fold.
-    schedule = SCHEDULES[pipeline.schedule](
-        stages[0] if pipeline.schedule in ONE_STAGE_PER_RANK else stages,
-        n_microbatches=pipeline.microbatches,
+    schedule = SCHEDULES[options.schedule](
+        stages[0] if options.schedule in ONE_STAGE_PER_RANK else stages,
+        n_microbatches=options.microbatches,
         loss_fn=loss_fn,
         scale_grads=True,
     )
     return stages, schedule
+
+
+def run_schedule(
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mesh: PipelineMesh,
+    cfg: RunConfig,
+    device: torch.device,
+    in_schedule: IntervalTimer,
+    saved_activations: SavedActivations,
+) -> list[torch.Tensor]:
+    """One step of the schedule on this rank's stages, batch (x, y) cut into micro-batches: the first
+    stage takes x, the last y. Returns each micro-batch's loss on the rank with the last stage (none
+    elsewhere). Timed (`in_schedule`), and the activations autograd saves for backward counted."""
+    saved_activations.at_step_start = saved_activations.live
+    micro_losses: list[torch.Tensor] = []  # filled on the rank with the last stage
+    has_first, has_last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
+    inputs = (x.to(device),) if has_first else ()
+    targets = {"target": y.to(device), "losses": micro_losses} if has_last else {}
+    held = torch.autograd.graph.saved_tensors_hooks(saved_activations.pack, saved_activations.unpack)
+    with in_schedule.measure(), held, autocast(cfg, device):
+        schedule.step(*inputs, **targets)
+    return micro_losses
 
 
 def all_reduce_gradients(
@@ -353,7 +390,6 @@ def save_stage_checkpoint(
     model: BlockModel,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
-    is_main: bool,
 ) -> None:
     """Each pipeline rank of the first pipeline writes its stages (replicas hold the same); after a
     barrier, rank 0 writes the index that makes the set complete: a crash before it leaves the previous
@@ -363,7 +399,7 @@ def save_stage_checkpoint(
         held = {"model": unwrap_state_dict(model), "optimizer": optimizer.state_dict()}
         save_checkpoint(stage_file(index, mesh.pp_rank), held)
     dist.barrier()
-    if is_main:
+    if dist.get_rank() == 0:
         stage_files = [stage_file(index, r) for r in range(mesh.p)]
         state = checkpoint_state(
             cfg,
@@ -399,6 +435,16 @@ def load_stage_checkpoint(
     return state, mine
 
 
+def save_final_state(
+    path: str, model: BlockModel, core_keys: list[str], world_size: int, is_main: bool
+) -> None:
+    """Rank 0 gathers every stage into the full fp32 state_dict (core keys, core order) and writes it."""
+    gathered = gather_to_rank0(unwrap_state_dict(model), world_size)
+    if is_main:
+        merged = {k: v for held in gathered for k, v in held.items()}  # replicas hold equal copies
+        save_checkpoint(path, {k: merged[k] for k in core_keys})
+
+
 def record_the_bubble(
     record: RunRecord,
     stages: list[TimedStage],
@@ -428,29 +474,17 @@ def record_the_bubble(
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_options(argv)
-    # --- PIPELINE: one process per stage rank, launched here from plain python (as ddp does); a 2-D
-    # mesh of (pipelines, stage ranks): rank r's pipeline rank is r % p, its replica index r // p.
+    # --- PIPELINE: one process per stage rank, launched here from plain python (as ddp does)
     if not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)  # starts the ranks and exits
     configure_cpu_threads()
     # --- PIPELINE: the process group, then the mesh of pipelines × stage ranks
-    rank, world_size, local_rank = torchrun_env()
-    device = pick_device(cfg.device, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a send/recv waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
-    pipeline = cfg.strategy
-    n_micro, dp = pipeline.microbatches, pipeline.dp
-    mesh = pipeline_mesh(device, pipeline, world_size)
+    rank, world_size, device, backend = start_process_group(cfg)
+    options = cfg.strategy
+    n_micro, dp = options.microbatches, options.dp
+    mesh = pipeline_mesh(device, options, world_size)
     is_main = rank == 0  # rank 0 writes the record, the checkpoint index and the final state_dict
-    cuts = choose_cut_points(cfg.model, pipeline.partition, mesh.n_stages, cfg.gpt_layers)[0]
+    cuts = choose_cut_points(cfg.model, options.partition, mesh.n_stages, cfg.gpt_layers)[0]
     # --- end PIPELINE ---
 
     # ---- Data and model: the same in every impl -------------------------------------------------
@@ -464,8 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
     stage_modules, examples, layout = cut_into_stages(model, cuts, cfg, mesh, micro_batch, device, is_main)
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
-    stages, schedule = build_schedule(stage_modules, examples, mesh, pipeline, device)
-    has_first, has_last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
+    stages, schedule = build_schedule(stage_modules, examples, mesh, options, device)
     saved_activations = SavedActivations(model.parameters())
     optimizer = make_optimizer(cfg, model.parameters())  # --- PIPELINE: this rank's parameters
     # --- end PIPELINE ---
@@ -473,17 +506,10 @@ def main(argv: list[str] | None = None) -> dict:
     n_steps = total_steps(cfg, len(train_set))
     cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
     record = RunRecord(
-        IMPL,
-        VERSION,
-        cfg,
-        world_size=world_size,
-        device=device,
-        backend=backend,
-        write_files=is_main,
-        devices=world_size,
+        IMPL, VERSION, cfg, world_size=world_size, device=device, backend=backend, write_files=is_main
     )  # --- PIPELINE: every rank keeps the numbers, rank 0 writes them
     record.add_strategy_facts(
-        schedule=pipeline.schedule,
+        schedule=options.schedule,
         microbatches=n_micro,
         dp=dp,
         stages=mesh.n_stages,
@@ -506,7 +532,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- PIPELINE: each pipeline reads its 1/dp share of every global batch, whole (the schedule cuts
     # it into micro-batches); all stages of a pipeline read the same (the first uses x, the last y).
     batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank=mesh.dp_rank, world_size=dp))
-    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {pipeline.schedule}")
+    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {options.schedule}")
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     in_schedule = IntervalTimer(device)  # --- PIPELINE: time in the schedule, from the second step on
 
@@ -521,13 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for timer in (in_schedule, *(stage.busy for stage in stages)):
                     timer.reset()
                 saved_activations.peak = 0
-            saved_activations.at_step_start = saved_activations.live
-            micro_losses: list[torch.Tensor] = []  # filled on the rank with the last stage
-            inputs = (x.to(device),) if has_first else ()
-            targets = {"target": y.to(device), "losses": micro_losses} if has_last else {}
-            held = torch.autograd.graph.saved_tensors_hooks(saved_activations.pack, saved_activations.unpack)
-            with in_schedule.measure(), held, autocast(cfg, device):
-                schedule.step(*inputs, **targets)
+            micro_losses = run_schedule(schedule, x, y, mesh, cfg, device, in_schedule, saved_activations)
             if dp > 1:
                 all_reduce_gradients(model.parameters(), mesh.dp_group, dp)
                 broadcast_buffers(model, mesh.dp_group)
@@ -551,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
             due = cadence.after(step)
             if due.log:
                 # --- PIPELINE: only the last stage's ranks hold the losses: the mean over the pipelines
-                log.flush(due.step, reduce=lambda losses: mean_over_pipelines(losses, dp))
+                log.flush(due.done, reduce=lambda losses: mean_over_pipelines(losses, dp))
             if due.eval:
                 started = time.perf_counter()
                 # --- PIPELINE: each pipeline scores its share of the test set through its stages;
@@ -559,18 +579,12 @@ def main(argv: list[str] | None = None) -> dict:
                 shard = eval_batches(test_set, rank=mesh.dp_rank, world_size=dp)
                 totals = evaluate_stages(stage_modules, mesh.owner, shard, cfg, device, mesh.pp_group)
                 dist.all_reduce(totals)
-                log.evaluated(due.step, totals, started)
+                log.evaluated(due.done, totals, started)
             if due.checkpoint:  # --- PIPELINE: stage files, then the index that makes them a checkpoint
-                save_stage_checkpoint(
-                    cfg, due.step, n_steps, record, mesh, layout, model, optimizer, scaler, is_main
-                )
+                save_stage_checkpoint(cfg, due.done, n_steps, record, mesh, layout, model, optimizer, scaler)
 
-    # --- PIPELINE: rank 0 gathers every stage into the full fp32 state_dict (core keys, core order)
-    if cfg.save_final:
-        gathered = gather_to_rank0(unwrap_state_dict(model), world_size)
-        if is_main:
-            merged = {k: v for held in gathered for k, v in held.items()}  # replicas hold equal copies
-            save_checkpoint(cfg.save_final, {k: merged[k] for k in core_keys})
+    if cfg.save_final:  # --- PIPELINE: every rank's stages into the core model's full state_dict
+        save_final_state(cfg.save_final, model, core_keys, world_size, is_main)
     # --- PIPELINE: each rank's activations held for backward and busy share of its time in the
     # schedule (the bubble is the idle share), then its memory and model state (its stages only)
     record_the_bubble(record, stages, in_schedule, saved_activations, world_size, is_main)
@@ -629,8 +643,8 @@ def microbatch_problem(schedule: str, m: int, p: int, n_stages: int) -> str | No
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    pipeline = cfg.strategy
-    schedule, m, dp, v = pipeline.schedule, pipeline.microbatches, pipeline.dp, stages_per_rank(pipeline)
+    options = cfg.strategy
+    schedule, m, dp, v = options.schedule, options.microbatches, options.dp, stages_per_rank(options)
     if world_size % dp:
         return f"--dp {dp} must divide the {world_size} ranks (ranks = pipelines × stage ranks)"
     p = world_size // dp
@@ -654,7 +668,7 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     if cfg.precision == "fp16":
         # GradScaler decides per process whether a step had inf/nan gradients; the stages would disagree.
         return "--precision fp16 with one process per stage would need a shared inf check: use bf16"
-    cut_problem = choose_cut_points(cfg.model, pipeline.partition, p * v, cfg.gpt_layers)[1]
+    cut_problem = choose_cut_points(cfg.model, options.partition, p * v, cfg.gpt_layers)[1]
     return cut_problem or microbatch_problem(schedule, m, p, p * v)
 
 

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        start_step = resume_step(state, path, record, IMPL)
+        start_step = resume_step(state, path, record, IMPL)  # and the RNG, the record's history
 
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
@@ -105,14 +105,14 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                log.flush(due.step)
+                log.flush(due.done)
             if due.eval:
                 started = time.perf_counter()
                 totals = evaluate(model, eval_batches(test_set), device, cfg)
-                log.evaluated(due.step, totals, started)
+                log.evaluated(due.done, totals, started)
             if due.checkpoint:
                 states = dict(model=model.state_dict(), optimizer=optimizer.state_dict())
-                save_step_checkpoint(cfg, due.step, n_steps, record, **states, scaler=scaler.state_dict())
+                save_step_checkpoint(cfg, due.done, n_steps, record, **states, scaler=scaler.state_dict())
 
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))

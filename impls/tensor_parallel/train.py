@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_int, under_torchrun
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
@@ -96,6 +96,25 @@ class TPOptions:
     dp_shard: int | None
     sequence_parallel: bool
     loss_parallel: bool
+
+
+def start_process_group(
+    cfg: RunConfig, rank: int, world_size: int, local_rank: int
+) -> tuple[torch.device, str]:
+    """This rank's device (one per rank), and the process group over every rank: NCCL on CUDA, gloo on the
+    CPU. Returns (device, backend)."""
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return device, backend
 
 
 def mesh_shape(options: TPOptions, world_size: int) -> tuple[int, int]:
@@ -166,6 +185,30 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     return fully_shard(model, mesh=dp_mesh)
 
 
+def parallelize(model: nn.Module, mesh: DeviceMesh, options: TPOptions) -> nn.Module:
+    """Split every layer over the tensor-parallel group, then, on a 2-D mesh, shard the slices over the
+    data-parallel groups (torchtitan's `parallelize_*`: apply_tp, then apply_fsdp)."""
+    model = apply_tp(model, mesh["tp"], options)
+    if mesh["dp_shard"].size() > 1:
+        model = apply_fsdp(model, mesh["dp_shard"])
+    return model
+
+
+def evaluate_gathered(
+    model: nn.Module, eval_model: nn.Module, test_set: TensorData, device: torch.device, cfg: RunConfig
+) -> torch.Tensor:
+    """The test set's [loss sum, correct, count], each rank scoring its shard of it with `eval_model`, a
+    plain copy of the model loaded with the gathered parameters: shards may differ in batch count, and
+    forwards through the split model are collectives, so they would not pair up across ranks. A collective."""
+    eval_model.load_state_dict(full_state_dict(model))
+    eval_model.to(device)  # for the evaluation only: a whole model on every GPU would undo the split
+    batches = eval_batches(test_set, rank=dist.get_rank(), world_size=dist.get_world_size())
+    totals = evaluate(eval_model, batches, device, cfg)
+    eval_model.to("cpu")
+    dist.all_reduce(totals)  # the ranks' sums: the whole test set's
+    return totals
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: a DTensor's local part (the loss under loss parallelism is a
     replicated DTensor: every rank holds the whole mean), a plain tensor itself."""
@@ -200,17 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         launch_ranks(__file__, argv, cfg, IMPL)
     rank, world_size, local_rank = torchrun_env()
     configure_cpu_threads()
-    device = pick_device(cfg.device, local_rank)  # --- TP: one device per rank, and a process group
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    device, backend = start_process_group(cfg, rank, world_size, local_rank)  # --- TP: one device per rank
     dp, tp = mesh_shape(cfg.strategy, world_size)
     mesh = make_mesh(dp, tp, device)
     dp_rank = mesh["dp_shard"].get_local_rank()  # which slice of the global batch this rank trains on
@@ -223,16 +256,12 @@ def main(argv: list[str] | None = None) -> dict:
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
-    # --- TP: split every layer over the tensor-parallel group (every rank built the same parameters, same
-    # seed: each keeps its slice), then shard over the data-parallel groups. A plain copy of the model
-    # scores the gathered parameters (evaluation): kept on the CPU between evaluations, where a whole
-    # model on every GPU would undo the split.
+    # --- TP: split every layer over the tensor-parallel group, then shard over the data-parallel groups
+    # (every rank built the same parameters, same seed: each keeps its slice). A plain copy of the model
+    # scores the gathered parameters (evaluation), kept on the CPU between evaluations (evaluate_gathered).
     eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
-    model = apply_tp(model, mesh["tp"], cfg.strategy)
-    if dp > 1:
-        model = apply_fsdp(model, mesh["dp_shard"])
+    model = parallelize(model, mesh, cfg.strategy)
     optimizer = make_optimizer(cfg, model.parameters())  # over the slices: each rank steps its own
-    # --- end TP ---
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
     cadence = Cadence(cfg, n_steps, steps_per_epoch(len(train_set), cfg.global_batch_size))
@@ -255,7 +284,6 @@ def main(argv: list[str] | None = None) -> dict:
         with exit_on_bad_input(IMPL, say=is_main):  # --- TP: every rank finds it; rank 0 says it, once
             state = load_checkpoint(path, cfg, n_steps)
             load_sharded_checkpoint(model, optimizer, path, state)  # this rank's slices, in place
-        # --- end TP ---
         scaler.load_state_dict(state["scaler"])
         start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- TP: said once
 
@@ -303,24 +331,16 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:
                 # --- TP: average the losses over ranks (one all-reduce for all pending steps): the
                 # groups' slices give the global-batch loss (a group's ranks hold the same value).
-                log.flush(due.step, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
                 started = time.perf_counter()
                 # --- TP: each rank scores its shard of the test set with a plain copy of the gathered
-                # model: shards may differ in batch count, and forwards through the split model are
-                # collectives, so they would not pair up across ranks.
-                eval_model.load_state_dict(full_state_dict(model))
-                eval_model.to(device)  # for the evaluation only (see above)
-                totals = evaluate(
-                    eval_model, eval_batches(test_set, rank=rank, world_size=world_size), device, cfg
-                )
-                eval_model.to("cpu")
-                dist.all_reduce(totals)
-                log.evaluated(due.step, totals, started)
-            if due.checkpoint:  # --- TP: every rank writes its slices (DCP), rank 0 the index
-                # --- TP: the index step-N.pt, written by rank 0; each rank's slices in step-N/
-                index = checkpoint_path(cfg.checkpoint_dir, due.step)
-                state = checkpoint_state(cfg, due.step, n_steps, record, scaler=scaler.state_dict())
+                # model (evaluate_gathered says why); the sums are all-reduced into global numbers.
+                totals = evaluate_gathered(model, eval_model, test_set, device, cfg)
+                log.evaluated(due.done, totals, started)
+            if due.checkpoint:  # --- TP: every rank writes its slices in step-N/ (DCP), rank 0 the index
+                index = checkpoint_path(cfg.checkpoint_dir, due.done)  # step-N.pt, written by rank 0
+                state = checkpoint_state(cfg, due.done, n_steps, record, scaler=scaler.state_dict())
                 save_sharded_checkpoint(model, optimizer, index, state, is_main)
 
     # --- TP: the full state_dict of the core model, gathered from the slices (keys identical for every

@@ -6,8 +6,9 @@ DEST receives the impl's train.py, README.md, CHANGELOG.md and tests, the constr
 torch (install through it: pip must never pick a torch for you), and the core modules train.py
 needs (found by following its imports), **vendored** as the package `distref_<impl>` with the imports
 rewritten to it — so DEST runs without this repo, and never clashes with an installed distref. The tests
-come with their fixtures (conftest.py) and, as the parity oracle, impls/single/train.py under
-`baseline/single/`. Versions are stamped in DEST/pyproject.toml and `distref_<impl>.EXPORTED_FROM`.
+come with their fixtures (conftest.py), the helpers they import (distref.testing) and, as the parity
+oracle, impls/single/train.py under `baseline/single/`. Nothing they do not import comes along: none of
+the tools that compare, check or release impls. Versions are stamped in DEST/pyproject.toml and `distref_<impl>.EXPORTED_FROM`.
 
 DEST needs torch and numpy (torch's object collectives use it) to train with `--dataset synthetic`:
 torchvision, tqdm, scikit-learn and tensorboard are imported only by the datasets, models and options
@@ -88,14 +89,19 @@ def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: s
         text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
     )
     launch = "         # starts 2 ranks (--nproc-per-node N)" if launcher == "torchrun" else ""
+    baseline = (
+        ""
+        if impl == "single"
+        else "`baseline/single/train.py` (the one-process baseline: the tests' parity oracle), "
+    )
+    oracle = "the run contract" if impl == "single" else "parity with baseline/single"
     return f"""> Exported from distref: impl `{impl}` {stamp["impl_version"]}, core {stamp["core_version"]}, \
 git {stamp["git_sha"] or "unknown"}.
 
 ## Using this export
 
 A standalone project: `train.py` (the reference), `{package}/` (the distref core modules it needs,
-vendored), `baseline/single/train.py` (the one-process baseline: the tests' parity oracle), `tests/`, and
-`constraints.txt`, the torch build it was tested with. Install through it, so that pip never resolves
+vendored), {baseline}`tests/`, and `constraints.txt`, the torch build it was tested with. Install through it, so that pip never resolves
 torch for you (an unpinned install pulls the newest torch, with gigabytes of CUDA packages); on other
 hardware, write your torch build (and its torchvision) into it first.
 
@@ -105,7 +111,7 @@ pip install -c constraints.txt -e .                    # torch (pinned) and the 
 {run}{launch}
 pip install -c constraints.txt torchvision tqdm        # real MNIST, resnet18, progress bars
 pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorboard
-python -m pytest tests                                 # parity with baseline/single, and more
+python -m pytest tests                                 # {oracle}, and more
 ```
 
 {text}"""

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from distref.cli import parse_config
 from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
@@ -299,7 +298,7 @@ def test_bad_input_is_one_line(args, ranks, message, capsys):
     pp = load_train_module("pipeline")
     argv = ["--dataset", "synthetic", *args]
     with pytest.raises(SystemExit) as exc:
-        parse_config(argv, "pipeline", pp.add_options, ranks, pp.check_options, splits_batch=False)
+        pp.parse_options(argv, ranks)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("pipeline/train.py: error: ") and message in err, err
@@ -315,6 +314,7 @@ def test_bad_input_stops_before_any_rank_starts():
 def test_micro_batch_rules_are_torch_s_own(monkeypatch):
     """check_options says in advance exactly what torch 2.13's schedule constructors raise: every schedule,
     p in {2, 4}, M in 1..16, built on a fake process group (no communication, one process)."""
+    from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     pp = load_train_module("pipeline")
@@ -326,7 +326,7 @@ def test_micro_batch_rules_are_torch_s_own(monkeypatch):
                 v = 1 if name in pp.ONE_STAGE_PER_RANK else 2
                 for m in range(1, 17):
                     stages = [
-                        pp.PipelineStage(torch.nn.Linear(2, 2), s, p * v, torch.device("cpu"))
+                        PipelineStage(torch.nn.Linear(2, 2), s, p * v, torch.device("cpu"))
                         for s in pp.stage_indices(name, 0, p, v)
                     ]
                     try:

@@ -12,7 +12,7 @@ from distref.testing import (
 )
 
 # lr 0.01: at 0.05 this synthetic workload amplifies fp32 rounding (sums in another order) to ~1e-4 in
-# 20 steps, above the parity tolerance (see PARITY_WORKLOADS in conftest.py).
+# 20 steps, above the parity tolerance (see PARITY_WORKLOADS in distref.testing).
 SYNTH = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01", "--steps", "20"]
 
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from distref.parity import FP64_TOLERANCE
 from distref.testing import (
+    FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
     check_killed_rank_ends_the_job,

@@ -21,9 +21,9 @@ from distref.training.steps import stop_if_diverged
 
 @dataclasses.dataclass(frozen=True)
 class Due:
-    """What is due once optimizer step `step - 1` is done (`step` steps done)."""
+    """What is due after a step: `done` steps are done (the loop's `step` index + 1)."""
 
-    step: int
+    done: int
     log: bool  # the pending losses go to the record (and the bar, TensorBoard)
     eval: bool  # score the test set
     checkpoint: bool  # write a checkpoint
