@@ -1,6 +1,7 @@
 """Versions that cannot drift, and references that run outside this repo."""
 
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -321,9 +322,10 @@ def assert_every_command_works_there(readme: str, dest: Path) -> None:
     commands += re.findall(r"`([^`\n]+)`", readme)
     for command in commands:
         assert not re.search(r"\bnox\b|python -m distref\.|\bimpls/|\bci/|benchmark\.py", command), command
-        for word in command.split():
-            if word.endswith(".py") and not word.startswith(("-", "~", "/")):  # a file of the project
-                assert (dest / word).is_file(), f"{command}: no {word} in the export"
+        words = command.split()
+        for python, script in itertools.pairwise(words):  # `python FILE`: a file of the project
+            if python in ("python", "python3") and script.endswith(".py"):
+                assert (dest / script).is_file(), f"{command}: no {script} in the export"
 
 
 def test_a_layout_change_keeps_its_version_with_a_reason(tmp_path):

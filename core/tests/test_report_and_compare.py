@@ -307,9 +307,9 @@ def test_a_text_file_is_part_of_the_workload_and_a_dataset_folder_is_not(compare
 def test_a_failed_strategy_appears_with_its_error(compared, tmp_path):
     out, _ = compared
     failed = tmp_path / "failed"
-    cfg = load_record(out / "ddp")["config"]
+    without_extra = {k: v for k, v in load_record(out / "ddp")["config"].items() if k != "extra"}
     record = RunRecord(
-        "ddp", "0.1.0", RunConfig(**{**cfg, "out": str(failed)}), 2, torch.device("cpu"), "gloo"
+        "ddp", "0.1.0", RunConfig(**{**without_extra, "out": str(failed)}), 2, torch.device("cpu"), "gloo"
     )
     record.fail("RuntimeError: Connection closed by peer")
     report = build_report([out / "single", failed], tmp_path / "report").read_text()
@@ -324,7 +324,8 @@ def test_a_run_that_dies_before_its_record_is_reported_and_compare_fails(tmp_pat
     (impls / "crashy" / "pyproject.toml").write_text('[project]\nname = "crashy"\nversion = "0.0.1"\n')
     (impls / "crashy" / "train.py").write_text(
         "import os, sys\nfrom distref.cli import parse_config\n"
-        "if __name__ == '__main__':\n    parse_config(sys.argv[1:], 'crashy')\n"
+        "def parse_options(argv, world_size=1):\n    return parse_config(argv, 'crashy', world_size=world_size)\n"
+        "if __name__ == '__main__':\n    parse_options(sys.argv[1:])\n"
         "    print('RuntimeError: simulated crash at start-up', flush=True)\n    os._exit(3)\n"
     )
     result = run_script(

@@ -5,8 +5,10 @@ which checks the arguments and then starts the ranks itself. As in DDP each rank
 the global batch; what ZeRO changes is who holds what. Stage 0 keeps a full replica per rank (DDP);
 stage 1 partitions the optimizer states, stage 2 also the gradients, stage 3 also the parameters —
 each rank owns 1/N of them and the rest is gathered or reduced when needed. `--offload-optimizer` /
-`--offload-params` keep those partitions in CPU memory. Every stage gives the same model as
-`impls/single` trained on the whole global batch.
+`--offload-params` keep those partitions in CPU memory. In fp32 and fp64 every stage gives the same
+model as `impls/single` trained on the whole global batch (models without BatchNorm: each rank keeps
+its own statistics; in bf16/fp16 DeepSpeed trains low-precision parameters with fp32 master copies,
+where single keeps fp32 parameters under autocast).
 
     python impls/deepspeed_zero/train.py --nproc-per-node 2 --zero-stage 2 --epochs 2 --out runs/zero2
     torchrun --standalone --nproc-per-node 2 impls/deepspeed_zero/train.py --zero-stage 3

@@ -39,7 +39,13 @@ def load_train_module(train: Path):
 def parse_as(train: Path, args: Sequence[str], ranks: int) -> RunConfig:
     """Parse `args` exactly as the impl's train.py does for `ranks` ranks (its `parse_options`: its own
     options, its checks, how its ranks share the batch): one line and exit 2 if bad."""
-    return load_train_module(train).parse_options(list(args), ranks)
+    module = load_train_module(train)
+    if not hasattr(module, "parse_options"):
+        raise SystemExit(
+            f"distref: error: {train} has no parse_options(argv, world_size): every impl's train.py "
+            "defines one, for the tools to parse its command line (docs/adding-an-impl.md)"
+        )
+    return module.parse_options(list(args), ranks)
 
 
 def validate(impl: str, train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
