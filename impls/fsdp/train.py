@@ -114,7 +114,9 @@ def make_mesh(world_size: int, replicas: int, device: torch.device) -> DeviceMes
 
 def mixed_precision(cfg: RunConfig) -> MixedPrecisionPolicy:
     """bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32, the sharded fp32
-    parameters stepped by the optimizer (the master weights). Otherwise all in the parameters' dtype."""
+    parameters stepped by the optimizer (the master weights). Otherwise all in the parameters' dtype.
+    The loop's autocast stays on too (as in single): the policy sets what FSDP gathers and reduces, autocast
+    what each op computes in (the loss in fp32)."""
     if cfg.precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
                 x, y = next(micro_batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 # --- FSDP: reduce-scatter gradients only in the last micro-step's backward; before
-                # it, each rank accumulates whole (unsharded) gradients locally, as DDP's no_sync().
+                # it, each rank accumulates whole (unsharded) gradients locally, as DDP's no_sync(): fewer
+                # reduce-scatters, at the memory of a full set of gradients per rank meanwhile.
                 model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
                 with autocast(cfg, device):
                     loss = loss_fn(model(x), y)

@@ -7,8 +7,8 @@ micro-batch. With p stages and M micro-batches the idle share of each step (the 
 for GPipe and 1F1B, smaller again with several stages per rank. 2 ranks, M = 4, 1F1B (F3 = forward of
 micro-batch 3, B3 its backward; time runs left to right):
 
-    rank 0 (stage 0)   F0 F1 .. .. B0 F2 B1 F3 B2 .. B3      idle: the two gaps at the start, one at the end
-    rank 1 (stage 1)   .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..      (GPipe: all forwards, then all backwards)
+    rank 0 (stage 0)   F0 F1 .. B0 F2 B1 F3 B2 .. B3      idle: 2 of 10 slots each, (p-1)/(M+p-1) = 1/5
+    rank 1 (stage 1)   .. F0 B0 F1 B1 F2 B2 F3 B3 ..      (GPipe: all forwards, then all backwards)
 
 --schedule                 stages per rank   what it changes
 gpipe                      1                 all forwards, then all backwards: M micro-batches' activations held
@@ -492,9 +492,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
-    # --- PIPELINE: every rank builds the whole model (same seed, same parameters as single), keeps the
-    # blocks of its stages and lets the rest go (the final state_dict has the core model's keys, in order).
-    core_keys = list(model.state_dict())
+    # --- PIPELINE: every rank builds the whole model (same seed, same parameters as single), then keeps
+    # only its stages' blocks as `model` (optimizer, state_dict; the schedule runs the stages, not `model`).
+    core_keys = list(model.state_dict())  # the final state_dict keeps the core model's keys, in order
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
     stage_modules, examples, layout = cut_into_stages(model, cuts, cfg, mesh, micro_batch, device, is_main)
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))

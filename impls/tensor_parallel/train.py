@@ -130,7 +130,8 @@ def mesh_shape(options: TPOptions, world_size: int) -> tuple[int, int]:
 def make_mesh(dp: int, tp: int, device: torch.device) -> DeviceMesh:
     """2-D mesh (dp_shard, tp): ranks 0..T-1 form the first tensor-parallel group, T..2T-1 the second, and
     so on. Tensor parallelism communicates in every layer, forward and backward: its group gets the
-    neighbouring ranks (on a cluster, one node's fast links); data parallelism, once per step, spans them."""
+    neighbouring ranks (on a cluster, one node's fast links); data parallelism (FSDP: a gather per block
+    in forward and backward, a reduce-scatter per block per step, each on 1/T of the bytes) spans them."""
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
 
 
