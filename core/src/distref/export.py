@@ -85,14 +85,15 @@ def first_run(settings: dict) -> str:
 def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str, run: str) -> str:
     """The impl's README with its paths as they are in the export, under a section saying how to install,
     run and test the exported project."""
-    text = repository_commands_removed(
-        text.replace(f"impls/{impl}/train.py", "train.py").replace("impls/single/", "baseline/single/")
-    )
+    text = text.replace(f"impls/{impl}/train.py", "train.py").replace(f"impls/{impl}/", "./")
+    if impl != "single":  # the baseline comes along as the tests' parity oracle
+        text = text.replace("impls/single", "baseline/single")
+    text = repository_commands_removed(text)
     launch = "         # starts 2 ranks (--nproc-per-node N)" if launcher == "torchrun" else ""
     baseline = (
         ""
         if impl == "single"
-        else "`baseline/single/train.py` (the one-process baseline: the tests' parity oracle), "
+        else "`baseline/single/train.py` (the one-process baseline: the tests' parity oracle),\n"
     )
     oracle = "the run contract" if impl == "single" else "parity with baseline/single"
     return f"""> Exported from distref: impl `{impl}` {stamp["impl_version"]}, core {stamp["core_version"]}, \
@@ -101,9 +102,10 @@ git {stamp["git_sha"] or "unknown"}.
 ## Using this export
 
 A standalone project: `train.py` (the reference), `{package}/` (the distref core modules it needs,
-vendored), {baseline}`tests/`, and `constraints.txt`, the torch build it was tested with. Install through it, so that pip never resolves
-torch for you (an unpinned install pulls the newest torch, with gigabytes of CUDA packages); on other
-hardware, write your torch build (and its torchvision) into it first.
+vendored), {baseline}`tests/`, and `constraints.txt`, the torch build it was tested with.
+Install through it, so that pip never resolves torch for you (an unpinned install pulls the newest torch,
+with gigabytes of CUDA packages); on other hardware, write your torch build (and its torchvision) into it
+first.
 
 ```bash
 python3 -m venv .venv && . .venv/bin/activate
