@@ -68,7 +68,7 @@ def test_compare_checks_each_run_against_its_exact_oracle(impl, world, args, exp
     """What `nox -s compare` shows as exact parity: the run's own options decide the oracle."""
     run_args = with_defaults(DEFAULT_WORKLOAD, ["--dataset", "synthetic", *args])
     distributed = IMPLS[impl]["launcher"] == "torchrun"
-    cfg = validate(impl, IMPLS[impl]["train"], run_args, world, distributed)
+    cfg = validate(IMPLS[impl]["train"], run_args, world, distributed)
     assert exact_oracle(impl, settings(impl), cfg, world) == expected
 
 

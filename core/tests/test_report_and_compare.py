@@ -403,11 +403,11 @@ def test_compare_can_validate_every_impl():
 
     found = discover(ROOT / "impls")
     assert {"single", "ddp", "dataparallel", "model_parallel", "tensor_parallel"} <= set(found)
-    for impl, info in found.items():
+    for info in found.values():
         distributed = info["launcher"] == "torchrun"
         model = ["--model", "gpt", "--dataset", "synthetic"] if info["models"] else []
         cfg = validate(
-            impl, info["train"], with_defaults(DEFAULT_WORKLOAD, model), 2 if distributed else 1, distributed
+            info["train"], with_defaults(DEFAULT_WORKLOAD, model), 2 if distributed else 1, distributed
         )
         assert cfg.model == ("gpt" if info["models"] else "lenet") and cfg.target_accuracy == 0.955
 

@@ -18,7 +18,6 @@ Changes against impls/single/train.py are marked `# --- DDP: ... ---`.
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import time
 
 import torch
@@ -37,8 +36,7 @@ from distref.distributed import (
     exit_without_interpreter_teardown,
     finish_record,
     launch_ranks,
-    restart_safe_store,
-    torchrun_env,
+    start_process_group,
 )
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -55,7 +53,6 @@ from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
-    pick_device,
     seed_everything,
     synchronize,
 )
@@ -143,19 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
     # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
     if not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)
-    rank, world_size, local_rank = torchrun_env()
     configure_cpu_threads()
-    device = pick_device(cfg.device, local_rank)  # --- DDP: one device per rank, and a process group
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    # --- DDP: one device per rank, and the process group over every rank (NCCL on CUDA, gloo on the
+    # CPU; --timeout; a store that survives restarts): distref.distributed.start_process_group.
+    rank, world_size, device, backend = start_process_group(cfg)
     is_main = rank == 0  # rank 0 alone writes the record, checkpoints and the final state_dict
     # --- end DDP ---
 

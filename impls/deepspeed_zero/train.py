@@ -45,8 +45,7 @@ from distref.distributed import (
     exit_without_interpreter_teardown,
     finish_record,
     launch_ranks,
-    restart_safe_store,
-    torchrun_env,
+    start_process_group,
 )
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -65,7 +64,6 @@ from distref.training.checkpoint import (
 from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
-    pick_device,
     seed_everything,
     synchronize,
 )
@@ -108,31 +106,22 @@ def skip_shm_op_build() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-def init_deepspeed(cfg: RunConfig, device: torch.device, rank: int, world_size: int):
-    """DeepSpeed, imported for this rank's device, and the process groups; returns (deepspeed, backend)."""
+def init_deepspeed(cfg: RunConfig, device: torch.device, backend: str):
+    """DeepSpeed, imported for this rank's device, on the process group already started; returns it."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed guesses (and may pick CUDA)
     quiet_deepspeed()
     import deepspeed  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
 
     skip_shm_op_build()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    # The process group is torch's own, made here as in ddp (restart-safe store, timeout); deepspeed.comm
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    # The process group is torch's own, started as in ddp (restart-safe store, --timeout): deepspeed.comm
     # wraps it instead of creating another.
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
     # DeepSpeed makes process groups of its own (dist.new_group without a timeout), which take torch's
     # default for gloo, 30 minutes, not --timeout: a silent rank then hung the job that long.
     dist.distributed_c10d.default_pg_timeout = timeout
-    return deepspeed, backend
+    return deepspeed
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
@@ -264,10 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
     # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
     if not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)
-    rank, world_size, local_rank = torchrun_env()
     configure_cpu_threads()  # (the `deepspeed` launcher sets no OMP_NUM_THREADS: this does)
-    device = pick_device(cfg.device, local_rank)
-    deepspeed, backend = init_deepspeed(cfg, device, rank, world_size)
+    rank, world_size, device, backend = start_process_group(cfg)  # one device per rank, a group
+    deepspeed = init_deepspeed(cfg, device, backend)
     is_main = rank == 0  # rank 0 alone writes the record and the checkpoint index
     stage = cfg.strategy.zero_stage
     # --- end ZERO ---

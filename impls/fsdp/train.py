@@ -20,7 +20,6 @@ Changes against impls/single/train.py are marked `# --- FSDP: ... ---`.
 
 import argparse
 import dataclasses
-import datetime
 import time
 
 import torch
@@ -39,8 +38,7 @@ from distref.distributed import (
     exit_without_interpreter_teardown,
     finish_record,
     launch_ranks,
-    restart_safe_store,
-    torchrun_env,
+    start_process_group,
 )
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -60,7 +58,6 @@ from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
-    pick_device,
     seed_everything,
     synchronize,
 )
@@ -81,25 +78,6 @@ class FSDPOptions:
     reshard_after_forward: bool
     cpu_offload: bool
     hsdp: int
-
-
-def start_process_group(
-    cfg: RunConfig, rank: int, world_size: int, local_rank: int
-) -> tuple[torch.device, str]:
-    """This rank's device (one per rank), and the process group over every rank: NCCL on CUDA, gloo on the
-    CPU. Returns (device, backend)."""
-    device = pick_device(cfg.device, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
-    return device, backend
 
 
 def make_mesh(world_size: int, replicas: int, device: torch.device) -> DeviceMesh:
@@ -167,9 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
     if not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)
-    rank, world_size, local_rank = torchrun_env()
     configure_cpu_threads()
-    device, backend = start_process_group(cfg, rank, world_size, local_rank)  # --- FSDP: one device per rank
+    rank, world_size, device, backend = start_process_group(cfg)  # --- FSDP: one device per rank, a group
     mesh = make_mesh(world_size, cfg.strategy.hsdp, device)
     is_main = rank == 0  # rank 0 alone writes the record, the checkpoint index and the final state_dict
     # --- end FSDP ---

@@ -23,7 +23,6 @@ Changes against impls/single/train.py are marked `# --- MODEL PARALLEL: ... ---`
 
 import argparse
 import dataclasses
-import datetime
 import time
 from collections import OrderedDict
 
@@ -40,9 +39,8 @@ from distref.distributed import (
     gather_to_rank0,
     launch_ranks,
     recv_tensor,
-    restart_safe_store,
     send_tensor,
-    torchrun_env,
+    start_process_group,
 )
 from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.models import BlockModel, build_model
@@ -61,7 +59,6 @@ from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
-    pick_device,
     seed_everything,
     synchronize,
 )
@@ -126,18 +123,7 @@ def start_parts(cfg: RunConfig) -> tuple[int, int, list[torch.device], str, Link
                 f"{IMPL}: --devices {cfg.strategy.devices}: every part on the one CPU shows the mechanism, gains nothing"
             )
         return 0, 1, devices, "none", Links()
-    rank, world_size, local_rank = torchrun_env()
-    device = pick_device(cfg.device, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a send/recv waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    rank, world_size, device, backend = start_process_group(cfg)  # a send/recv waits at most --timeout
     before, after = rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None
     return rank, world_size, [device], backend, Links(before, after, waiting=IntervalTimer(device))
 
@@ -357,8 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.zero_grad(set_to_none=True)
             for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
                 synchronize(part_device)
-            log.step_done(step_loss, started)
-            links.trained_s += log.times[-1]  # --- MODEL PARALLEL: this step's time, as logged
+            links.trained_s += log.step_done(step_loss, started)  # --- MODEL PARALLEL: its time, for busy
             prof.step()
 
             due = cadence.after(step)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -63,9 +62,8 @@ from distref.distributed import (
     gather_to_rank0,
     launch_ranks,
     recv_tensor,
-    restart_safe_store,
     send_tensor,
-    torchrun_env,
+    start_process_group,
 )
 from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.distributed.stages import TimedStage
@@ -88,7 +86,6 @@ from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
-    pick_device,
     seed_everything,
     synchronize,
 )
@@ -136,24 +133,6 @@ def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
     if schedule in V_SHAPED:
         return [pp_rank, 2 * p - 1 - pp_rank]
     return [pp_rank + k * p for k in range(v)]
-
-
-def start_process_group(cfg: RunConfig) -> tuple[int, int, torch.device, str]:
-    """This rank's process group over every rank (one process per stage rank): (rank, world size, this
-    rank's device, the backend)."""
-    rank, world_size, local_rank = torchrun_env()
-    device = pick_device(cfg.device, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a send/recv waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
-    return rank, world_size, device, backend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,6 @@ Changes against impls/single/train.py are marked `# --- TP: ... ---`.
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import time
 
 import torch
@@ -52,8 +51,7 @@ from distref.distributed import (
     exit_without_interpreter_teardown,
     finish_record,
     launch_ranks,
-    restart_safe_store,
-    torchrun_env,
+    start_process_group,
 )
 from distref.models import GPTConfig, build_model
 from distref.record import RunRecord, print_summary
@@ -73,7 +71,6 @@ from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
-    pick_device,
     seed_everything,
     synchronize,
 )
@@ -96,25 +93,6 @@ class TPOptions:
     dp_shard: int | None
     sequence_parallel: bool
     loss_parallel: bool
-
-
-def start_process_group(
-    cfg: RunConfig, rank: int, world_size: int, local_rank: int
-) -> tuple[torch.device, str]:
-    """This rank's device (one per rank), and the process group over every rank: NCCL on CUDA, gloo on the
-    CPU. Returns (device, backend)."""
-    device = pick_device(cfg.device, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.timeout)  # a collective waiting longer than this fails
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),  # keyed by restart count: see distref/distributed for why
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
-    return device, backend
 
 
 def mesh_shape(options: TPOptions, world_size: int) -> tuple[int, int]:
@@ -242,9 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     # through torch's own launcher, as torchrun would, and waits. Each rank arrives here under torchrun.
     if not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)
-    rank, world_size, local_rank = torchrun_env()
     configure_cpu_threads()
-    device, backend = start_process_group(cfg, rank, world_size, local_rank)  # --- TP: one device per rank
+    rank, world_size, device, backend = start_process_group(cfg)  # --- TP: one device per rank, a group
     dp, tp = mesh_shape(cfg.strategy, world_size)
     mesh = make_mesh(dp, tp, device)
     dp_rank = mesh["dp_shard"].get_local_rank()  # which slice of the global batch this rank trains on

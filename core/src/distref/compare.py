@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         world = args.world_size if info["launcher"] == "torchrun" else 1
         run_dir = out / impl
         full_args = [*run_args, "--out", str(run_dir), "--save-final", str(run_dir / "final.pt")]
-        cfg = validate(impl, info["train"], full_args, world, info["launcher"] == "torchrun")
+        cfg = validate(info["train"], full_args, world, info["launcher"] == "torchrun")
         # Each train.py starts its own ranks (`python train.py --nproc-per-node N`, torchrun underneath):
         # a rank's failure then ends in one line naming it, not torchrun's traceback.
         ranks = ["--nproc-per-node", str(world)] if info["launcher"] == "torchrun" else []

@@ -48,6 +48,6 @@ def parse_as(train: Path, args: Sequence[str], ranks: int) -> RunConfig:
     return module.parse_options(list(args), ranks)
 
 
-def validate(impl: str, train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
+def validate(train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
     """Parse `args` as the impl's train.py would (its own options and checks included); exit 2 if bad."""
     return parse_as(train, args, world_size if distributed else 1)

@@ -155,7 +155,7 @@ def exact_parity(
     info = available[impl]
     settings = parity_settings(info["train"].parent)
     distributed = info["launcher"] == "torchrun"
-    cfg = validate(impl, info["train"], args, world, distributed)
+    cfg = validate(info["train"], args, world, distributed)
     precision, accum, tolerance = exact_oracle(impl, settings, cfg, world)
     result = {
         "steps": SHORT_STEPS,
@@ -164,7 +164,7 @@ def exact_parity(
         "tolerance": tolerance,
     }
     case = shortened(args, precision)
-    if problem := refusal(impl, info["train"], case, world, distributed):
+    if problem := refusal(info["train"], case, world, distributed):
         return {**result, "refused": problem}
     out.mkdir(parents=True, exist_ok=True)
     if (precision, accum) not in references:
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                         if reference is None:
                             cells.append({**cell, "skip": tolerance})
                             continue
-                        problem = refusal(impl, info["train"], case, world, distributed)
+                        problem = refusal(info["train"], case, world, distributed)
                         if problem:
                             cells.append({**cell, "refused": problem})
                             continue
@@ -304,12 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(c.get("passed", True) and "error" not in c for c in cells) else 1
 
 
-def refusal(impl: str, train: Path, args: list[str], world: int, distributed: bool) -> str | None:
+def refusal(train: Path, args: list[str], world: int, distributed: bool) -> str | None:
     """The impl's one-line refusal of `args` at `world` ranks, or None if it accepts them."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            validate(impl, train, args, world, distributed)
+            validate(train, args, world, distributed)
     except SystemExit:
         return err.getvalue().strip().split("error: ", 1)[-1]
     return None

@@ -22,6 +22,7 @@ from distref.distributed.process_group import (
     is_collective_timeout,
     restart_safe_store,
     silent_ranks,
+    start_process_group,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "restore_environment",
     "send_tensor",
     "silent_ranks",
+    "start_process_group",
     "torchrun_env",
     "without_launch_options",
 ]

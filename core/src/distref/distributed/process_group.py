@@ -1,8 +1,6 @@
-"""The process group's life: a store that survives restarts, naming a rank that stopped answering, and a
-teardown that cannot hang.
-
-The process group itself is created in each impl's train.py, where a reader sees it; these are the parts
-that are the same everywhere and have a non-obvious reason behind them.
+"""The process group's life: its start (one device per rank, a store that survives restarts, --timeout),
+naming a rank that stopped answering, and a teardown that cannot hang: the same in every multi-process
+impl, each with a non-obvious reason behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +14,12 @@ import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
+
+from distref.config import RunConfig
+from distref.distributed.launch import torchrun_env
+from distref.training.device import pick_device
 
 
 def restart_safe_store(timeout: datetime.timedelta) -> dist.Store:
@@ -41,6 +44,27 @@ def restart_safe_store(timeout: datetime.timedelta) -> dist.Store:
 
 
 _timeouts: dict[str, Any] = {}
+
+
+def start_process_group(cfg: RunConfig) -> tuple[int, int, torch.device, str]:
+    """This rank's place and device, and the process group over every rank: (rank, world size, device,
+    backend). One device per rank (its LOCAL_RANK's GPU, or the CPU), NCCL on CUDA and gloo on the CPU; a
+    collective or send/recv that waits longer than --timeout fails instead of hanging; the store is
+    torchrun's, one per restart attempt (`restart_safe_store`); on CUDA `device_id` binds the group to
+    this rank's GPU (NCCL makes its communicator at once; barrier() uses that GPU, not a guess)."""
+    rank, world_size, local_rank = torchrun_env()
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    dist.init_process_group(
+        backend,
+        store=restart_safe_store(timeout),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world_size, device, backend
 
 
 SILENT_RANK_WAIT_S = 3.0  # how long ranks that timed out wait to hear from each other

@@ -81,11 +81,13 @@ class StepLog:
         self.bar.close()
         self.tensorboard.close()
 
-    def step_done(self, loss: torch.Tensor, started: float) -> None:
-        """After a step (and its device sync): its loss, as a tensor, and its time since `started`."""
+    def step_done(self, loss: torch.Tensor, started: float) -> float:
+        """After a step (and its device sync): its loss, as a tensor, and its time since `started`, which
+        it returns."""
         self.times.append(time.perf_counter() - started)
         self.losses.append(loss)
         self.bar.update(1)
+        return self.times[-1]
 
     def flush(self, done: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """The pending losses into the record, `done` steps being done. `reduce` turns this rank's losses
