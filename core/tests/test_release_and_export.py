@@ -228,8 +228,13 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     def run_exported(*args: str) -> subprocess.CompletedProcess:
         """`python train.py ARGS` there, as its README says (ddp starts its 2 ranks itself)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
-        cmd = [str(fresh_python), "-s", "-E", "train.py", *args]
+        cmd = [str(fresh_python), "-s", "-E", *(args if args[0] == "-c" else ("train.py", *args))]
         return subprocess.run(cmd, capture_output=True, text=True, cwd=dest, env=env, timeout=300)
+
+    # The installed test helpers have no conftest.py above them: they take the project from where its tests
+    # run (a StopIteration at import, once).
+    located = run_exported("-c", f"import {package}.testing as t; print(t.ROOT, t.EXPORTED_IMPL)")
+    assert located.stdout.split() == [str(dest.resolve()), impl], located.stderr[-2000:]
 
     # An impl made for one model (tensor_parallel: gpt) trains that model on the synthetic set instead, as
     # its README's first run says.

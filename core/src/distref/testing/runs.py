@@ -12,13 +12,10 @@ from pathlib import Path
 
 from distref.testing.ranks import run_ranks
 
-# The repository (or exported project) root: the folder of the conftest.py above this package.
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "conftest.py").is_file())
-
-
+# The repository (or exported project) root: the folder of the conftest.py above this package; where the
+# package was installed elsewhere (an exported project's `pip install .`), the folder pytest runs in.
+ROOT = next((p for p in Path(__file__).resolve().parents if (p / "conftest.py").is_file()), Path.cwd())
 DATA_ROOT = Path(os.environ.get("DISTREF_DATA", ROOT / "data"))
-
-
 EXPORTED_IMPL = None  # distref.export sets this in the copy an exported project vendors
 
 
