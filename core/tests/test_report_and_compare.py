@@ -311,10 +311,16 @@ def test_a_failed_strategy_appears_with_its_error(compared, tmp_path):
     record = RunRecord(
         "ddp", "0.1.0", RunConfig(**{**without_extra, "out": str(failed)}), 2, torch.device("cpu"), "gloo"
     )
-    record.fail("RuntimeError: Connection closed by peer")
+    # An error as exceptions write them: several lines, a `|`, Markdown's own characters.
+    record.fail("RuntimeError: Connection closed by peer | rank 1\n*second* line `x` [y]_z")
     report = build_report([out / "single", failed], tmp_path / "report").read_text()
     assert "## Failed runs" in report and "Connection closed by peer" in report
     assert "| ddp ×2 | failed |" in report
+    page = _PageText()
+    page.feed((tmp_path / "report" / "report.html").read_text())
+    text = "".join(page.text)
+    # One row, the error whole in its cell: the `|` did not split it, the newline did not end the row.
+    assert "RuntimeError: Connection closed by peer | rank 1 *second* line `x` [y]_z" in text
 
 
 def test_a_run_that_dies_before_its_record_is_reported_and_compare_fails(tmp_path):

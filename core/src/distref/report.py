@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -427,9 +428,19 @@ def parity_cells(run: Run, baseline: Run | None, base_state: dict | None) -> lis
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table; a cell is one line (a newline would end the row) and its `|` is escaped."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += [
+        "| " + " | ".join(" ".join(cell.split("\n")).replace("|", "\\|") for cell in row) + " |"
+        for row in rows
+    ]
     return "\n".join(lines)
+
+
+def as_text(text: str) -> str:
+    """Text from outside (an error message) as Markdown shows it: its `*`, `_`, backticks, brackets and
+    backslashes escaped, so that they stay characters."""
+    return re.sub(r"([\\`*_\[\]])", r"\\\1", text)
 
 
 def build_report(
@@ -466,7 +477,7 @@ def build_report(
 
     # Mixed workloads have no one title: each run's workload is listed under the warning instead.
     workload = "mixed workloads" if differences else describe_workload(runs[0].record["config"])
-    failures = [[r.label, r.record.get("error") or "failed", str(r.path)] for r in runs if not r.ok]
+    failures = [[r.label, as_text(r.record.get("error") or "failed"), str(r.path)] for r in runs if not r.ok]
     table_data = tables(runs)
 
     md = [f"# distref comparison: {workload}", ""]
@@ -494,11 +505,9 @@ def build_report(
     # The page is the same Markdown, rendered (tables on; raw HTML off: an error message's "<" is text).
     try:
         from markdown_it import MarkdownIt
-    except ImportError:
-        raise SystemExit(
-            "distref.report: error: report.html needs markdown-it-py: pip install markdown-it-py "
-            f"(report.md is written: {report})"
-        ) from None
+    except ImportError:  # a dependency of distref-core; report.md is the report either way
+        print("distref.report: report.html not written: it needs markdown-it-py (pip install markdown-it-py)")
+        return report
     body = MarkdownIt("commonmark", {"html": False}).enable("table").render("\n".join(md))
     style = (
         "body{font-family:sans-serif;max-width:60em;margin:auto}td,th{border:1px solid #ccc;padding:2px 6px}"
