@@ -246,6 +246,28 @@ def test_checkpoint_from_another_run_is_refused(single_train, tmp_path, capsys):
     assert "is from a different run (--seed 0 vs 1)" in capsys.readouterr().err
 
 
+@pytest.mark.faults
+def test_a_checkpoint_of_another_impl_or_a_final_state_is_refused(single_train, tmp_path, capsys):
+    """A checkpoint another impl wrote (pipeline's, its stages by rank) or a --save-final file: refused in
+    one line saying what it is, exit code 2 (it was a KeyError traceback)."""
+    single_train.main([*FAST, "--steps", "4", "--save-final", str(tmp_path / "f.pt")])
+    cfg = parse_config([*FAST, "--steps", "4"], "pipeline")
+    record = type("Record", (), {"state": lambda self: {}})()
+    pipeline_index = tmp_path / "step-4.pt"
+    ckpt.save_checkpoint(
+        pipeline_index, ckpt.checkpoint_state(cfg, 4, 4, record, stages_by_rank={}, scaler={})
+    )
+    for resume, said in (
+        (pipeline_index, "is another impl's (it holds scaler, stages_by_rank, not model, optimizer)"),
+        (tmp_path / "f.pt", "is not a checkpoint (a --save-final file holds parameters only)"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            single_train.main([*FAST, "--steps", "8", "--resume", str(resume)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 # ---- resume: what each option may do (README, "Resuming") ------------------------------------------
 
 

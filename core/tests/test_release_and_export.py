@@ -2,7 +2,6 @@
 
 import importlib.metadata
 import itertools
-import json
 import os
 import re
 import shutil
@@ -331,23 +330,6 @@ def assert_every_command_works_there(readme: str, dest: Path) -> None:
         for python, script in itertools.pairwise(words):  # `python FILE`: a file of the project
             if python in ("python", "python3") and script.endswith(".py"):
                 assert (dest / script).is_file(), f"{command}: no {script} in the export"
-
-
-def test_a_layout_change_keeps_its_version_with_a_reason(tmp_path):
-    """--same-behaviour: files changed, behaviour did not: the version stays, the old hash is kept."""
-    impl = tmp_path / "ddp"
-    shutil.copytree(ROOT / "impls" / "ddp", impl, ignore=shutil.ignore_patterns("__pycache__"))
-    before = json.loads((impl / "release.json").read_text())
-    (impl / "train.py").write_text((impl / "train.py").read_text() + "\n# moved code\n")
-    assert release.problems(impl)  # changed and not recorded
-    lock = release.release(impl, same_behaviour="moved code, same parameters bit for bit")
-    assert lock["version"] == before["version"] and lock["sha256"] != before["sha256"]
-    assert lock["same_behaviour_as"][-1] == {
-        "sha256": before["sha256"],
-        "why": "moved code, same parameters bit for bit",
-    }
-    assert release.problems(impl) == []
-    assert json.loads((impl / "release.json").read_text()) == lock
 
 
 def test_export_refuses_a_non_empty_destination(tmp_path):

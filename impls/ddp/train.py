@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = 0
     if (path := resume_path(cfg)) is not None:
         with exit_on_bad_input(IMPL):  # a checkpoint of another run: one line, exit 2
-            state = load_checkpoint(path, cfg, n_steps)
+            state = load_checkpoint(path, cfg, n_steps, holds=("model", "optimizer", "scaler"))
         model.module.load_state_dict(state["model"])  # --- DDP: every rank loads rank 0's checkpoint
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])

@@ -223,7 +223,7 @@ def load_zero_checkpoint(
     then loads its own sharded files from the folder beside it, once their hashes are checked. Returns the
     index's state."""
     with exit_on_bad_input(IMPL, say=is_main):  # every rank finds it; rank 0 says it, once
-        state = load_checkpoint(index, cfg, n_steps)
+        state = load_checkpoint(index, cfg, n_steps, holds=("deepspeed_tag",))
         check_zero_checkpoint(index, state, cfg.strategy.zero_stage, world_size)
         check_listed_files(index, index.parent / state["deepspeed_tag"], state["sha256"])
     engine.load_checkpoint(

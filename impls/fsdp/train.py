@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         # on load: a checkpoint written by any number of ranks loads at any other.
         # The files' hashes are checked before DCP reads them (it unpickles its .metadata).
         with exit_on_bad_input(IMPL, say=is_main):  # --- FSDP: every rank finds it; rank 0 says it, once
-            state = load_checkpoint(path, cfg, n_steps)
+            state = load_checkpoint(path, cfg, n_steps, holds=("folder", "sha256", "scaler"))
             load_sharded_checkpoint(model, optimizer, path, state)  # this rank's shards, in place
         # --- end FSDP ---
         scaler.load_state_dict(state["scaler"])

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     start_step = 0
     if (path := resume_path(cfg)) is not None:
         with exit_on_bad_input(IMPL):  # a checkpoint of another run: one line, exit 2
-            state = load_checkpoint(path, cfg, n_steps)
+            state = load_checkpoint(path, cfg, n_steps, holds=("model", "optimizer", "scaler", "cut_points"))
             if state["cut_points"] != cuts:  # --- MODEL PARALLEL: parts and optimizer states must match
                 raise CheckpointError(
                     f"checkpoint {path} was cut at {state['cut_points']}, this run at {cuts}"

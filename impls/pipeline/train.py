@@ -399,7 +399,7 @@ def load_stage_checkpoint(
     """The index `path` (checked: this run's, the same stages on each rank, every stage file the one
     written for it) and this rank's stages' file beside it: (index, {"model", "optimizer"})."""
     with exit_on_bad_input(IMPL, say=is_main):  # every rank finds it; rank 0 says it, once
-        state = load_checkpoint(path, cfg, n_steps)
+        state = load_checkpoint(path, cfg, n_steps, holds=("stages_by_rank", "scaler"))
         if state["stages_by_rank"] != layout:  # the same stages on each rank
             raise CheckpointError(
                 f"checkpoint {path} holds stages {state['stages_by_rank']}, this run {layout}"

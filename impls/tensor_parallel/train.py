@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         # checkpoint, the folder step-N/ beside it (torch.distributed.checkpoint), whose hashes are checked
         # before DCP reads it. DCP reshards on load: any --tp / --dp-shard loads any other.
         with exit_on_bad_input(IMPL, say=is_main):  # --- TP: every rank finds it; rank 0 says it, once
-            state = load_checkpoint(path, cfg, n_steps)
+            state = load_checkpoint(path, cfg, n_steps, holds=("folder", "sha256", "scaler"))
             load_sharded_checkpoint(model, optimizer, path, state)  # this rank's slices, in place
         scaler.load_state_dict(state["scaler"])
         start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- TP: said once

@@ -9,10 +9,7 @@ change and release.json does not follow; this command makes it follow, and only 
     #   bump `version` in impls/ddp/pyproject.toml and add a `## <version>` entry to its CHANGELOG.md
     python -m distref.release ddp
 
-Code that moves without changing what it does (the same parameters bit for bit, `ci/same_results.py`)
-keeps its version: `python -m distref.release ddp --same-behaviour "why"` records the new hash and keeps
-the old one, with the reason, in release.json. Documentation (README, CHANGELOG) and tests may change
-without a release. The shared core has its own
+Documentation (README, CHANGELOG) and tests may change without a release. The shared core has its own
 version (core/pyproject.toml), which every run record also carries.
 """
 
@@ -102,24 +99,16 @@ def problems(impl_dir: Path) -> list[str]:
     return found
 
 
-def release(impl_dir: Path, same_behaviour: str | None = None) -> dict:
-    """Record the impl's hash at its version. `same_behaviour` (why): the files changed but the version
-    stays, because what they do did not (code moved, proven by `ci/same_results.py`: the same parameters
-    bit for bit); the hash it replaces is kept in the lock with the reason."""
+def release(impl_dir: Path) -> dict:
     version = declared_version(impl_dir)
     lock_path = impl_dir / "release.json"
     current = behaviour_hash(impl_dir)
-    history = []
     if lock_path.exists():
         lock = json.loads(lock_path.read_text())
-        history = lock.get("same_behaviour_as", [])
-        if lock["sha256"] != current and lock["version"] == version and same_behaviour:
-            history = [*history, {"sha256": lock["sha256"], "why": same_behaviour}]
-        elif lock["sha256"] != current and lock["version"] == version:
+        if lock["sha256"] != current and lock["version"] == version:
             raise SystemExit(
                 f"distref.release: error: impls/{impl_dir.name} changed but is still {version}: "
-                "bump the version in its pyproject.toml first (or, where it behaves exactly as before, "
-                "--same-behaviour WHY)"
+                "bump the version in its pyproject.toml first"
             )
     if not changelog_has(impl_dir, version):
         raise SystemExit(
@@ -130,8 +119,6 @@ def release(impl_dir: Path, same_behaviour: str | None = None) -> dict:
         "sha256": current,
         "files": [str(p.relative_to(impl_dir)) for p in behaviour_files(impl_dir)],
     }
-    if history:
-        lock["same_behaviour_as"] = history
     lock_path.write_text(json.dumps(lock, indent=1) + "\n")
     return lock
 
@@ -140,14 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m distref.release", description=__doc__.splitlines()[0])
     parser.add_argument("impls", nargs="+")
     parser.add_argument("--impls-dir", default="impls")
-    parser.add_argument(
-        "--same-behaviour",
-        metavar="WHY",
-        help="the files changed, the behaviour did not (proof: ci/same_results.py): keep the version",
-    )
     args = parser.parse_args(argv)
     for name in args.impls:
-        lock = release(Path(args.impls_dir) / name, args.same_behaviour)
+        lock = release(Path(args.impls_dir) / name)
         print(
             f"impls/{name} {lock['version']}: recorded {lock['sha256'][:12]} over {len(lock['files'])} file(s)"
         )

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from distref.cli import parse_config
 from distref.testing import (
     DATA_ROOT,
     FP64_TOLERANCE,
@@ -36,6 +37,7 @@ from distref.testing import (
     torchrun,
     train_path,
 )
+from distref.training.checkpoint import checkpoint_state, save_checkpoint
 
 TRAIN = str(train_path("ddp"))
 SYNTHETIC = ["--model", "lenet", "--dataset", "synthetic", "--optimizer", "sgd", "--lr", "0.01"]
@@ -248,6 +250,29 @@ def test_an_altered_dataset_is_one_line_before_any_rank_starts(mnist_root, tmp_p
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ddp: error: {labels}") and "refusing to use it" in last
     assert "Traceback" not in result.stderr and "starting" not in result.stdout
+
+
+@pytest.mark.faults
+def test_a_checkpoint_of_another_impl_is_one_line_from_the_ranks(tmp_path):
+    """--resume on a checkpoint another impl wrote (a pipeline index: its stages by rank, no model): every
+    rank refuses it before loading anything, one line and exit 2, not a KeyError traceback per rank."""
+    cfg = parse_config([*SYNTHETIC, "--steps", "4"], "pipeline")
+    index = tmp_path / "step-2.pt"
+    record = type("Record", (), {"state": lambda self: {}})()
+    save_checkpoint(index, checkpoint_state(cfg, 2, 4, record, stages_by_rank={0: "step-2.0.pt"}, scaler={}))
+    result = self_launched(
+        "ddp", ["--nproc-per-node", "2", *SYNTHETIC, "--steps", "4", "--resume", str(index)]
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    said = (
+        f"ddp: error: checkpoint {index} is another impl's (it holds scaler, stages_by_rank, not model, "
+        "optimizer): resume it with the impl that wrote it"
+    )
+    lines = result.stderr.strip().splitlines()
+    assert said in lines and re.fullmatch(
+        r"ddp: rank \d failed \(exit code 2\); its error is above", lines[-1]
+    )
+    assert "Traceback" not in result.stderr and "KeyError" not in result.stderr
 
 
 @pytest.fixture

@@ -122,14 +122,32 @@ def options(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def load_checkpoint(path: str | Path, cfg: RunConfig, total_steps: int) -> dict[str, Any]:
-    """Load on CPU with `weights_only=True` (no arbitrary code from a pickle), check that the checkpoint
-    can continue this run (MUST_MATCH, and a length that does not end before it), and add
-    `state["changes"]`: {option: [in the checkpoint, now]} for every option this session changes."""
+COMMON_KEYS = ("step", "total_steps", "rng", "record", "config")  # in every checkpoint (checkpoint_state)
+
+
+def load_checkpoint(
+    path: str | Path, cfg: RunConfig, total_steps: int, holds: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Load on CPU with `weights_only=True` (no arbitrary code from a pickle), check that it is a
+    checkpoint in the impl's format (`holds`: the keys the impl reads from it, which another impl's
+    checkpoint or a --save-final state_dict lacks) that can continue this run (MUST_MATCH, and a length
+    that does not end before it), and add `state["changes"]`: {option: [in the checkpoint, now]} for every
+    option this session changes."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # the first line: torch's errors can run to a page
         raise CheckpointError(f"cannot load checkpoint {path}: {str(exc).strip().splitlines()[0]}") from exc
+    if not isinstance(state, dict) or not {"step", "config"} <= set(state):
+        raise CheckpointError(
+            f"{path} is not a checkpoint (a --save-final file holds parameters only): resume from "
+            "--checkpoint-dir's step-N.pt"
+        )
+    if missing := [key for key in holds if key not in state]:
+        own = sorted(set(state) - set(COMMON_KEYS)) or ["nothing else"]
+        raise CheckpointError(
+            f"checkpoint {path} is another impl's (it holds {', '.join(own)}, not {', '.join(missing)}): "
+            "resume it with the impl that wrote it"
+        )
     # Options a checkpoint predates (e.g. gpt_layers, added in core 0.3.0) had their default value then.
     defaults = options(RunConfig().to_dict())
     saved, current = {**defaults, **options(state.get("config", {}))}, options(cfg.to_dict())
