@@ -85,7 +85,7 @@ def first_run(settings: dict) -> str:
 def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str, run: str) -> str:
     """The impl's README with its paths as they are in the export, under a section saying how to install,
     run and test the exported project."""
-    text = text.replace(f"impls/{impl}/train.py", "train.py").replace(f"impls/{impl}/", "./")
+    text = text.replace(f"impls/{impl}/train.py", "train.py")
     if impl != "single":  # the baseline comes along as the tests' parity oracle
         text = text.replace("impls/single", "baseline/single")
     text = repository_commands_removed(text)
@@ -125,8 +125,8 @@ NOT_IN_AN_EXPORT = re.compile(r"\bnox\b|python -m distref\.|\bimpls/|benchmark\.
 
 def repository_commands_removed(text: str) -> str:
     """The README with no command that would fail in the export: a command line in a code block that
-    needs the repository is dropped; one in the prose (`nox -s ddp-gpu`) is named as the repository's,
-    not given as a command."""
+    needs the repository is dropped; one in the prose (`nox -s ddp-gpu`) stays as text marked † (in the
+    distref repository), not as a command."""
     lines, in_code = [], False
     for line in text.splitlines():
         if line.startswith("```"):
@@ -134,12 +134,12 @@ def repository_commands_removed(text: str) -> str:
         elif in_code and NOT_IN_AN_EXPORT.search(line):
             continue
         lines.append(line)
-    prose = "\n".join(lines) + "\n"
-    return re.sub(
+    prose, marked = re.subn(
         r"`([^`\n]+)`",
-        lambda m: f"{m[1]} (in the distref repository)" if NOT_IN_AN_EXPORT.search(m[1]) else m[0],
-        prose,
+        lambda m: f"{m[1]}†" if NOT_IN_AN_EXPORT.search(m[1]) else m[0],
+        "\n".join(lines) + "\n",
     )
+    return prose + ("\n† in the distref repository, not in this project.\n" if marked else "")
 
 
 def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
