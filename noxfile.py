@@ -70,6 +70,8 @@ def answer(session: nox.Session, prefix: str, *command: str) -> str:
     """The one line starting with `prefix` that `python -m distref.ranks ...` prints (torch may print
     warnings around it, on stdout or stderr)."""
     output = session.run("python", "-m", "distref.ranks", *command, silent=True)
+    if output is None:  # `nox --install-only`: nothing runs, so there is no answer (and no GPU to use)
+        return "0 (not asked: --install-only)"
     return next(line for line in reversed(output.splitlines()) if line.startswith(prefix))[len(prefix) :]
 
 

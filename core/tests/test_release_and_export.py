@@ -316,7 +316,8 @@ def test_exported_tests_run_there(tmp_path):
 
 def assert_every_command_works_there(readme: str, dest: Path) -> None:
     """No command in an exported README needs the repository: no nox session, no distref tool, no path
-    under impls/ or ci/ (in code blocks or in the prose's code spans); every file a command names exists."""
+    under impls/ or ci/ (in code blocks or in the prose's code spans); every file a command or a link
+    names exists."""
     in_code, commands = False, []
     for line in readme.splitlines():
         if line.startswith("```"):
@@ -326,6 +327,8 @@ def assert_every_command_works_there(readme: str, dest: Path) -> None:
     commands += re.findall(r"`([^`\n]+)`", readme)
     for command in commands:
         assert not re.search(r"\bnox\b|python -m distref\.|\bimpls/|\bci/|benchmark\.py", command), command
+    for target in re.findall(r"\]\(([^)#\s]+)", readme):  # every relative link has its file there
+        assert "://" in target or (dest / target).exists(), f"a link to {target}, not in the export"
         words = command.split()
         for python, script in itertools.pairwise(words):  # `python FILE`: a file of the project
             if python in ("python", "python3") and script.endswith(".py"):

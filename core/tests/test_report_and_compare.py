@@ -430,3 +430,198 @@ def test_an_impl_made_for_another_model_is_left_out_and_says_why():
     assert not_run == [("tensor_parallel", "trains --model gpt only; this workload is --model lenet")]
     chosen, not_run = made_for_the_model(found, ["single", "tensor_parallel"], ["--model", "gpt"])
     assert chosen == ["single", "tensor_parallel"] and not_run == []
+
+
+# ---- the cost table and the pipeline section, from records made here (no run needed) -----------------
+def made_record(folder: Path, impl: str, ranks: int, **fields) -> Path:
+    """A completed record of `impl` on `ranks` ranks (3 synthetic steps, one workload for all), with
+    `fields` set as its own: what an impl writes, without running one."""
+    cfg = RunConfig(dataset="synthetic", steps=3, global_batch_size=24, optimizer="sgd", out=str(folder))
+    record = RunRecord(impl, "0.0.0", cfg, ranks, torch.device("cpu"), "gloo")
+    record.add_steps(0, [2.3, 2.2, 2.1], [0.2, 0.1, 0.1])
+    record.data.update(status="completed", samples_per_s=240.0, peak_memory_bytes=[500 * 2**20] * ranks)
+    record.data.update(fields)
+    record.write()
+    return folder
+
+
+def counts(**kinds: tuple[int, int]) -> dict:
+    """{kind: {"calls", "bytes", "bus_bytes"}} from kind=(calls, bytes) (bus bytes: the bytes)."""
+    return {k: {"calls": c, "bytes": b, "bus_bytes": float(b)} for k, (c, b) in kinds.items()}
+
+
+STATES = {"parameters": 87360, "gradients": 87360, "optimizer": 174752}  # lenet with AdamW: 341.3 KiB
+
+
+def communication(measured: list[dict], predicted: list[dict] | None) -> dict:
+    return {"step": 2, "measured": measured, "predicted": predicted, "phases": {}, "counting_overhead_s": 0.0}
+
+
+def row_of(section: str, label: str) -> list[str]:
+    line = next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
+    return [cell.strip() for cell in line.split("|")[1:-1]]
+
+
+def test_cost_table_says_exact_or_the_difference_and_older_records_still_render(tmp_path):
+    ddp = [counts(all_reduce=(1, 87360))] * 2
+    fsdp = [counts(all_gather=(7, 172680), reduce_scatter=(4, 87360))] * 2
+    # The formula 4 bytes short on rank 0's reduce-scatters, one call and 1 KiB on rank 1's all_gathers,
+    # and 12 bytes on rank 0's gradients
+    fsdp_formula = [
+        counts(all_gather=(7, 172680), reduce_scatter=(4, 87360 - 4)),
+        counts(all_gather=(6, 172680 - 1024), reduce_scatter=(4, 87360)),
+    ]
+    half = {k: v // 2 for k, v in STATES.items()}
+    runs = [
+        made_record(
+            tmp_path / "single",
+            "single",
+            1,
+            communication=communication([{}], None),
+            model_state_bytes=[STATES],
+            model_state_bytes_predicted=[STATES],
+            activation_bytes={"measured": [1263940], "predicted": [1263940]},
+        ),
+        made_record(
+            tmp_path / "ddp",
+            "ddp",
+            2,
+            communication=communication(ddp, ddp),
+            model_state_bytes=[STATES] * 2,
+            model_state_bytes_predicted=[STATES] * 2,
+            activation_bytes={"measured": [631972] * 2, "predicted": [631972] * 2},
+        ),
+        made_record(
+            tmp_path / "fsdp",
+            "fsdp",
+            2,
+            communication=communication(fsdp, fsdp_formula),
+            model_state_bytes=[half] * 2,
+            model_state_bytes_predicted=[{**half, "gradients": half["gradients"] - 12}, half],
+            activation_bytes={"measured": [631972] * 2, "predicted": None},
+        ),
+        # model_parallel: the first stage sends more than the last (ranks differ)
+        made_record(
+            tmp_path / "model_parallel",
+            "model_parallel",
+            2,
+            communication=communication(
+                [counts(send=(2, 30784), recv=(1, 30720)), counts(recv=(2, 30784), send=(1, 30720))], None
+            ),
+        ),
+    ]
+    older = made_record(tmp_path / "older", "deepspeed_zero", 2, model_state_bytes=[STATES] * 2)
+    record = json.loads((older / "record.json").read_text())
+    for key in ("communication", "model_state_bytes_predicted", "activation_bytes"):  # before the cost model
+        del record[key]
+    (older / "record.json").write_text(json.dumps(record))
+
+    out = tmp_path / "report"
+    report = build_report([*runs, older], out).read_text()
+    cost = report.split("## Cost: ")[1].split("\n## ")[0]
+    assert row_of(cost, "single ×1") == [
+        *(
+            "single ×1",
+            "1",
+            "none",
+            "0 B",
+            "no formula",
+            "341.3 KiB",
+            "exact",
+            "1.2 MiB",
+            "exact",
+            "500.0 MiB",
+        )
+    ]
+    assert row_of(cost, "ddp ×2") == [
+        *("ddp ×2", "2", "all_reduce: 1 call, 85.3 KiB (every rank)", "85.3 KiB", "exact"),
+        *("341.3 KiB", "exact", "617.2 KiB", "exact", "500.0 MiB"),
+    ]
+    assert row_of(cost, "fsdp ×2") == [
+        *("fsdp ×2", "2", "reduce_scatter: 4 calls, 85.3 KiB; all_gather: 7 calls, 168.6 KiB (every rank)"),
+        "253.9 KiB",
+        "**differs** (measured − formula): rank 0 reduce_scatter +0 calls, +4 B; "
+        "rank 1 all_gather +1 calls, +1.0 KiB",
+        "170.6 KiB",
+        "**differs** (measured − formula): rank 0 gradients +12 B",
+        *("617.2 KiB", "no formula", "500.0 MiB"),
+    ]
+    assert row_of(cost, "model_parallel ×2")[2:5] == [
+        "send: 2 calls, 30.1 KiB; recv: 1 call, 30.0 KiB (rank 0; ranks differ)",
+        "60.1 KiB",
+        "no formula",
+    ]
+    assert row_of(cost, "deepspeed_zero ×2")[2:] == [
+        *("—", "—", "—", "341.3 KiB", "—", "—", "—", "500.0 MiB")
+    ]
+    assert "*exact* means the same calls and bytes of every kind on every rank" in cost  # COST_NOTE
+    assert "](communication_per_step.png)" in cost
+    assert_valid_png(out / "communication_per_step.png")
+    assert "## Pipeline" not in report  # no pipeline among them
+    assert_rendered_html(out / "report.html", report)
+
+    # Older records alone: the table of dashes, and no plot of communication (none recorded).
+    alone = build_report([older], tmp_path / "older-only").read_text()
+    assert row_of(alone.split("## Cost: ")[1], "deepspeed_zero ×2")[2] == "—"
+    assert "communication_per_step.png" not in alone
+    assert not (tmp_path / "older-only" / "communication_per_step.png").exists()
+
+
+def timeline(started_at: float, schedule_s: float, work: list) -> dict:
+    return {"step": 1, "counted": False, "started_at": started_at, "schedule_s": schedule_s, "work": work}
+
+
+def test_pipeline_section_puts_the_formula_beside_the_measured_bubble_and_draws_each_timeline(tmp_path):
+    def pipeline(name: str, schedule: str, stages: int, m: int, bubble: float, timelines=None) -> Path:
+        facts = {"schedule": schedule, "microbatches": m, "dp": 1, "stages": stages}
+        facts["busy_fraction"] = [1 - bubble, 1 - bubble]
+        return made_record(
+            tmp_path / name,
+            "pipeline",
+            2,
+            bubble_fraction=bubble,
+            strategy={**facts, **({"timeline": timelines} if timelines else {})},
+        )
+
+    # 1F1B on 2 ranks, M = 2: rank 0 busy 4 of its 10 ms, rank 1 (started 1 ms later) 2 of 10 ms
+    one_f_one_b = [
+        timeline(
+            100.0, 0.010, [["F", 0, 0, 0.0, 0.001], ["F", 0, 1, 0.001, 0.002], ["B", 0, 0, 0.006, 0.007]]
+        ),
+        timeline(100.001, 0.010, [["F", 1, 0, 0.001, 0.002], ["B", 1, 0, 0.002, 0.003]]),
+    ]
+    one_f_one_b[0]["work"].append(["B", 0, 1, 0.009, 0.010])
+    # Interleaved zero bubble: stages 0 and 2 on rank 0, input (I) and weight (W) gradients apart
+    zero_bubble = [
+        timeline(
+            5.0, 0.005, [["F", 0, 0, 0.0, 0.001], ["F", 2, 0, 0.002, 0.003], ["I", 2, 0, 0.003, 0.0035]]
+        ),
+        timeline(
+            5.0, 0.005, [["F", 1, 0, 0.001, 0.002], ["F", 3, 0, 0.0025, 0.003], ["W", 3, 0, 0.003, 0.004]]
+        ),
+    ]
+    runs = [
+        made_record(tmp_path / "single", "single", 1),
+        pipeline("1f1b", "1f1b", 2, 4, 0.5, one_f_one_b),
+        pipeline("interleaved", "interleaved-1f1b", 4, 4, 0.4),
+        pipeline("zero-bubble", "interleaved-zero-bubble", 4, 4, 0.3, zero_bubble),
+    ]
+    out = tmp_path / "report"
+    report = build_report(runs, out, allow_mixed=False).read_text()
+    section = report.split("## Pipeline: ")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| pipeline ×2 |")]
+    cells = [[c.strip() for c in line.split("|")[2:-1]] for line in rows]
+    # (p-1)/(m+p-1) = 1/5; interleaved (p-1)/(v·m+p-1) = 1/9; zero bubble: none. The timeline's step:
+    # idle 6/10 and 8/10, mean 0.7; 2.5/5 each
+    assert cells == [
+        ["1f1b", "2 × 1", "4", "0.20", "0.50", "0.50, 0.50", "step 1: 0.70"],
+        ["interleaved-1f1b", "2 × 2", "4", "0.11", "0.40", "0.60, 0.60", "—"],
+        ["interleaved-zero-bubble", "2 × 2", "4", "no formula", "0.30", "0.70, 0.70", "step 1: 0.50"],
+    ]
+    assert "(p-1)/(m+p-1) for GPipe and 1F1B" in section  # PIPELINE_NOTE
+    for plot in ("pipeline_bubble.png", "pipeline_timeline_1.png", "pipeline_timeline_2.png"):
+        assert f"]({plot})" in section
+        assert_valid_png(out / plot)
+    assert "pipeline_timeline_3.png" not in report  # the interleaved record has no timeline
+    assert section.index("pipeline_timeline_1.png") < section.index("pipeline_timeline_2.png")
+    assert "Pipeline timeline: pipeline ×2 (1f1b)" in section

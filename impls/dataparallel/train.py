@@ -19,7 +19,6 @@ Changes against impls/single/train.py are marked `# --- DataParallel: ... ---`.
 """
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import torch
@@ -28,6 +27,9 @@ from torch import nn
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
+from distref.cost import Predicted
+from distref.cost.activations import predicted_for_run
+from distref.cost.memory import replicated
 from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=0) as prof:
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:
                 log.flush(due.done)
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 totals = evaluate(model, eval_batches(test_set), device, cfg)
                 log.evaluated(due.done, totals, started)
             if due.checkpoint:
@@ -191,7 +193,23 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DataParallel: peak memory of every GPU it used (GPU 0 carries the gathers, loss and optimizer)
-    record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes])
+    # Model states (a full replica) and activations by formula (distref.cost), beside the measured ones.
+    # --- DataParallel: on several GPUs its copies between them are no process-group collectives (the
+    # counter sees none) and the replicas run in threads of their own (saved-tensor hooks are per
+    # thread): no formula then; on one device it is single.
+    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    micro_batch, checkpointed = cfg.global_batch_size // cfg.grad_accum, cfg.activation_checkpointing
+    one_device = len(gpu_ids) < 2
+    predicted = Predicted(
+        communication={} if one_device else None,
+        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        activations=predicted_for_run(
+            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
+        )
+        if one_device
+        else None,
+    )
+    record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)
     return record.data
 

@@ -18,7 +18,6 @@ Changes against impls/single/train.py are marked `# --- DDP: ... ---`.
 import argparse
 import contextlib
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist  # --- DDP ---
@@ -29,7 +28,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cost import Predicted
+from distref.cost.activations import predicted_for_run
+from distref.cost.data_parallel import ddp as ddp_communication
+from distref.cost.memory import replicated
+from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
@@ -130,6 +133,31 @@ def bf16_average_hook(
     return work.get_future().then(decompress)
 
 
+def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: int) -> Predicted:
+    """What a DDP rank costs by formula (distref.cost): every bucket of gradients all-reduced once per
+    optimizer step (half the bytes with a bf16/fp16 hook; PowerSGD: no formula), the buffers broadcast
+    before the step's first forward; a full replica of the model states; one micro-batch's activations."""
+    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    options = cfg.strategy
+    communication = None
+    if options.comm_hook != "powersgd":
+        communication = ddp_communication(
+            parameter_bytes,
+            world_size,
+            bucket_cap_bytes=int(options.bucket_cap_mb * 2**20),
+            compressed_element_ratio=0.5 if options.comm_hook in ("fp16", "bf16") else 1.0,
+            buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
+        )
+    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)  # a rank's share
+    return Predicted(
+        communication=communication,
+        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        activations=predicted_for_run(
+            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, cfg.activation_checkpointing
+        ),
+    )
+
+
 # --- end DDP strategy ---
 
 
@@ -183,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -218,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
                 log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 # --- DDP: each rank scores its shard of the test set with the bare module (no DDP
                 # forward: shards may differ in batch count); sums are all-reduced into global numbers.
                 # Parameters are identical on every rank, but on CPU (no SyncBatchNorm) each rank's last
@@ -238,8 +266,10 @@ def main(argv: list[str] | None = None) -> dict:
     # --- DDP: rank 0 saves the full fp32 state_dict of the core model (keys identical for every impl)
     if cfg.save_final and is_main:
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
-    # --- DDP: peak memory and model-state bytes (a full replica each) of every rank, gathered to rank 0
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    # --- DDP: every rank's memory and model states (a full replica each), beside the formulas', and what
+    # its counted step communicated beside the formula's (ddp_cost), gathered to rank 0
+    predicted = ddp_cost(model.module, cfg, info, world_size)
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
     if is_main:
         print_summary(record.data)
     return record.data

@@ -28,7 +28,6 @@ import importlib.util
 import logging
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -38,7 +37,10 @@ import torch.distributed as dist  # --- ZERO ---
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cost import Predicted
+from distref.cost.activations import predicted_for_run
+from distref.cost.zero import zero_communication, zero_model_states
+from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
@@ -243,6 +245,41 @@ def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int)
         )
 
 
+def zero_cost(
+    model: torch.nn.Module, cfg: RunConfig, info: DatasetInfo, rank: int, world_size: int
+) -> Predicted:
+    """What a ZeRO rank costs by formula (distref.cost.zero: DeepSpeed 0.19's buckets, padding and
+    prefetch, fp32 without offload; else no formula): stages 1-2 an all-reduce per gradient bucket and one
+    all-gather of the updated flat parameters, stage 3 the parameters gathered once per forward and the
+    gradients reduce-scattered per bucket; this rank's partitions; one micro-batch's activations."""
+    stage, options = cfg.strategy.zero_stage, cfg.strategy
+    numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]  # stage 3: whole sizes
+    zero = deepspeed_config(cfg, world_size)["zero_optimization"]  # its bucket sizes, in elements
+    communication = model_states = None
+    if cfg.precision == "fp32" and not (options.offload_optimizer or options.offload_params):
+        communication = zero_communication(
+            numels,
+            world_size,
+            stage,
+            bucket_elements=zero["reduce_bucket_size"],
+            prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
+            grad_accum=cfg.grad_accum,
+        )
+        step_bytes = torch.get_default_dtype().itemsize
+        model_states = zero_model_states(
+            numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes
+        )
+    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)  # a rank's share
+    checkpointed = cfg.activation_checkpointing
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=predicted_for_run(
+            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
+        ),
+    )
+
+
 # --- end ZERO strategy ---
 
 
@@ -303,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -336,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # rank 0 reports the global-batch loss, not its own slice's.
                 log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 # --- ZERO: each rank scores its shard of the test set; sums are all-reduced. Each
                 # rank's BatchNorm statistics came from its own slice: use rank 0's everywhere, the
                 # ones the saved model has. Stage 3: parameters gathered whole for the evaluation
@@ -358,8 +395,10 @@ def main(argv: list[str] | None = None) -> dict:
         final = full_fp32_state_dict(engine, stage)
         if is_main:
             save_checkpoint(cfg.save_final, final)
-    # --- ZERO: peak memory and model-state bytes (its partitions only) of every rank, gathered to rank 0
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    # --- ZERO: every rank's memory and model states (its partitions), beside the formulas', and what its
+    # counted step communicated beside the formula's (zero_cost), gathered to rank 0
+    predicted = zero_cost(model, cfg, info, rank, world_size)
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
     if is_main:
         print_summary(record.data)
     return record.data

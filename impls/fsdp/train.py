@@ -20,7 +20,6 @@ Changes against impls/single/train.py are marked `# --- FSDP: ... ---`.
 
 import argparse
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist  # --- FSDP ---
@@ -31,7 +30,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, under_torchrun
-from distref.data import TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cost import Predicted
+from distref.cost.activations import predicted_for_run
+from distref.cost.sharded import fsdp as fsdp_communication
+from distref.cost.sharded import fsdp_model_states
+from distref.data import DatasetInfo, TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
@@ -135,6 +138,44 @@ def evaluate_gathered(
     return totals
 
 
+def fsdp_cost(
+    model: nn.Module, mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo, world_size: int
+) -> Predicted:
+    """What an FSDP rank costs by formula (distref.cost.sharded): every block a unit (apply_fsdp; the root
+    holds no parameter) all-gathered before its forward and, resharded, again before its backward, its
+    gradients reduce-scattered (and all-reduced over the replicas with --hsdp); this rank's rows of every
+    parameter, gradient and optimizer state; one micro-batch's activations."""
+    units = [[p.shape for p in block.parameters()] for block in model.children()]
+    shards, dtype, policy = mesh["shard"], param_dtype(cfg), mixed_precision(cfg)
+    communication = fsdp_communication(
+        units,
+        [cfg.strategy.reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
+        shards.size(),
+        replicas=cfg.strategy.hsdp,
+        gather_element_bytes=(policy.param_dtype or dtype).itemsize,
+        reduce_element_bytes=(policy.reduce_dtype or dtype).itemsize,
+        grad_accum=cfg.grad_accum,
+    )
+    shapes = [shape for unit in units for shape in unit]
+    model_states = fsdp_model_states(
+        shapes,
+        shards.size(),
+        shards.get_local_rank(),  # this rank's place in its shard group
+        dtype.itemsize,
+        cfg.optimizer,
+        torch.get_default_dtype().itemsize,
+    )
+    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)  # a rank's share
+    checkpointed = cfg.activation_checkpointing
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=predicted_for_run(
+            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
+        ),
+    )
+
+
 # --- end FSDP strategy ---
 
 
@@ -199,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- FSDP: one trace per rank
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -233,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # rank 0 reports the global-batch loss, not its own slice's.
                 log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 # --- FSDP: each rank scores its shard of the test set with a plain copy of the gathered
                 # model (evaluate_gathered says why); the sums are all-reduced into global numbers.
                 totals = evaluate_gathered(model, eval_model, test_set, device, cfg)
@@ -249,8 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
         final = full_state_dict(model)
         if is_main:
             save_checkpoint(cfg.save_final, final)
-    # --- FSDP: peak memory and model-state bytes (its shards only) of every rank, gathered to rank 0
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    # --- FSDP: every rank's memory and model states (its shards), beside the formulas', and what its
+    # counted step communicated beside the formula's (fsdp_cost), gathered to rank 0
+    predicted = fsdp_cost(model, mesh, cfg, info, world_size)
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
     if is_main:
         print_summary(record.data)
     return record.data

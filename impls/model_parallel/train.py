@@ -23,7 +23,6 @@ Changes against impls/single/train.py are marked `# --- MODEL PARALLEL: ... ---`
 
 import argparse
 import dataclasses
-import time
 from collections import OrderedDict
 
 import torch
@@ -32,7 +31,12 @@ import torch.distributed as dist  # --- MODEL PARALLEL ---
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, under_torchrun
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cost import Predicted
+from distref.cost.activations import part_bytes
+from distref.cost.memory import replicated
+from distref.cost.pipeline import boundary_bytes
+from distref.cost.pipeline import model_parallel as model_parallel_communication
+from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
@@ -66,6 +70,7 @@ from distref.training.measure import IntervalTimer, model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
 from distref.training.steps import loss_fn, score
+from distref.training.traffic import TRAFFIC
 
 IMPL = "model_parallel"
 VERSION = impl_version(__file__)
@@ -233,14 +238,19 @@ def gather_parts(model: BlockModel, optimizer: torch.optim.Optimizer, world_size
     return {"model": model_state, "optimizer": [part["optimizer"] for part in gathered]} if gathered else None
 
 
-def finish_parts_record(record, global_batch_size: int, state_bytes, links: Links, world_size: int) -> None:
-    """End the run's record with every rank's numbers, gathered to rank 0 (the one that writes it)."""
+def finish_parts_record(
+    record, global_batch_size: int, state_bytes, links: Links, world_size: int, predicted: Predicted
+) -> None:
+    """End the run's record with every rank's numbers, gathered to rank 0 (the one that writes it): among
+    them its communication in the counted step and its model states, measured and `predicted`."""
     measured = gather_to_rank0(
         {
             "peak": record.training_peak_memory(),  # one per device it computes on
             "state": state_bytes,
             "bytes_per_step": links.bytes_per_step,
             "busy_fraction": 1 - links.waiting.seconds() / links.trained_s if links.trained_s else None,
+            "traffic": TRAFFIC.summary(),
+            "predicted": predicted.as_dict(),
         },
         world_size,
     )
@@ -249,7 +259,36 @@ def finish_parts_record(record, global_batch_size: int, state_bytes, links: Link
             bytes_sent_per_step=[m["bytes_per_step"] for m in measured],
             busy_fraction=[m["busy_fraction"] for m in measured],
         )
-    record.finish(global_batch_size, [p for m in measured for p in m["peak"]], [m["state"] for m in measured])
+        record.set_communication([m["traffic"] for m in measured])
+    peaks, states = [p for m in measured for p in m["peak"]], [m["state"] for m in measured]
+    record.finish(global_batch_size, peaks, states, [m["predicted"] for m in measured])
+
+
+def model_parallel_cost(
+    model: BlockModel,
+    cfg: RunConfig,
+    info: DatasetInfo,
+    bounds: list[tuple[int, int]],
+    activation_bytes: list[int],
+    rank: int,
+    world_size: int,
+) -> Predicted:
+    """What this rank costs by formula (distref.cost): per micro-batch a header and the activation to the
+    next part, the activation's gradient back (`activation_bytes`: each cut's, for one micro-batch); the
+    model states of its part(s); the activations of one micro-batch at a time through its blocks,
+    bounds[rank] of the whole model's (--devices, one process: every block)."""
+    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    micro_batch, checkpointed = cfg.global_batch_size // cfg.grad_accum, cfg.activation_checkpointing
+    if world_size == 1:
+        bounds, rank = [(bounds[0][0], bounds[-1][1])], 0
+    activations = part_bytes(
+        cfg.model, info, cfg.gpt_layers, bounds, rank, micro_batch, 1, cfg.precision, checkpointed
+    )
+    return Predicted(
+        communication=model_parallel_communication(activation_bytes, rank, world_size, cfg.grad_accum),
+        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        activations=activations,
+    )
 
 
 # --- end MODEL PARALLEL strategy ---
@@ -276,7 +315,15 @@ def main(argv: list[str] | None = None) -> dict:
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
-    # parameters), keeps its own part(s) on its device(s) and lets the rest go.
+    # parameters), keeps its own part(s) on its device(s) and lets the rest go. Each cut's activation for
+    # one micro-batch (its bytes, for the cost formula) from a forward on fake tensors, before the cut.
+    micro_batch, bounds = (
+        train_set.x[: cfg.global_batch_size // cfg.grad_accum],
+        part_bounds(cuts, len(model)),
+    )
+    activation_bytes = boundary_bytes(
+        list(model.children()), bounds, micro_batch, device, autocast(cfg, device)
+    )
     model, parts, part_names = apply_model_parallel(model, cuts, devices, rank, cfg, say=is_main)
     optimizer = make_optimizer(cfg, model.parameters())  # --- MODEL PARALLEL: this rank's parameters
     scaler = make_grad_scaler(cfg, device)
@@ -323,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- MODEL PARALLEL: one trace per rank
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -350,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:  # --- MODEL PARALLEL: the losses are the last rank's
                 log.flush(due.done, reduce=lambda losses: losses_of_last_rank(losses, last_rank))
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 # --- MODEL PARALLEL: every test batch through the chain; the last rank scores it
                 totals = evaluate_parts(parts, eval_batches(test_set), links, cfg)
                 if world_size > 1:
@@ -368,9 +415,10 @@ def main(argv: list[str] | None = None) -> dict:
         parts_state = gather_to_rank0(unwrap_state_dict(model), world_size)
         if is_main:
             save_checkpoint(cfg.save_final, {k: v for part in parts_state for k, v in part.items()})
-    # --- MODEL PARALLEL: each rank's memory and model state (about 1/parts each), its idle time and
-    # the bytes it sent per step, gathered to rank 0
-    finish_parts_record(record, cfg.global_batch_size, state_bytes, links, world_size)
+    # --- MODEL PARALLEL: every rank's memory and model states (about 1/parts each), its idle time and
+    # the bytes it sent per step, beside what the formulas predict (model_parallel_cost), gathered to rank 0
+    predicted = model_parallel_cost(model, cfg, info, bounds, activation_bytes, rank, world_size)
+    finish_parts_record(record, cfg.global_batch_size, state_bytes, links, world_size, predicted)
     if is_main:
         print_summary(record.data)
     return record.data

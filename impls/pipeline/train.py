@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -54,7 +53,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, fail, positive_int, under_torchrun
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cost import Predicted
+from distref.cost.activations import pipeline_rank
+from distref.cost.memory import replicated
+from distref.cost.pipeline import pipeline as pipeline_communication
+from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
@@ -66,7 +69,7 @@ from distref.distributed import (
     start_process_group,
 )
 from distref.distributed.partition import choose_cut_points, part_bounds
-from distref.distributed.stages import TimedStage
+from distref.distributed.stages import ScheduleTimeline, TimedStage
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
@@ -246,8 +249,10 @@ def build_schedule(
 ) -> tuple[list[TimedStage], PipelineScheduleSingle | PipelineScheduleMulti]:
     """This rank's PipelineStages (each timing its own work: the bubble) and the schedule that runs them."""
     n_stages, pp_group, my_stages = mesh.n_stages, mesh.pp_group, mesh.my_stages
+    timeline = ScheduleTimeline(device)  # this rank's work in a step, each stage's put on it (report)
     stages = [  # in the schedule's order for this rank
-        TimedStage(stage_modules[s], s, n_stages, device, *examples[s], group=pp_group) for s in my_stages
+        TimedStage(stage_modules[s], s, n_stages, device, *examples[s], group=pp_group, timeline=timeline)
+        for s in my_stages
     ]
     # Each micro-batch's loss is its own mean; the schedule sums the micro-batch gradients and, with
     # scale_grads=True, divides them by M once at the end: the mean over the pipeline's batch, as
@@ -271,17 +276,20 @@ def run_schedule(
     device: torch.device,
     in_schedule: IntervalTimer,
     saved_activations: SavedActivations,
+    timeline: ScheduleTimeline,
+    step: int,
 ) -> list[torch.Tensor]:
     """One step of the schedule on this rank's stages, batch (x, y) cut into micro-batches: the first
     stage takes x, the last y. Returns each micro-batch's loss on the rank with the last stage (none
-    elsewhere). Timed (`in_schedule`), and the activations autograd saves for backward counted."""
+    elsewhere). Timed (`in_schedule`, and each stage's work on the `timeline` of step `step`), and the
+    activations autograd saves for backward counted."""
     saved_activations.at_step_start = saved_activations.live
     micro_losses: list[torch.Tensor] = []  # filled on the rank with the last stage
     has_first, has_last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
     inputs = (x.to(device),) if has_first else ()
     targets = {"target": y.to(device), "losses": micro_losses} if has_last else {}
     held = torch.autograd.graph.saved_tensors_hooks(saved_activations.pack, saved_activations.unpack)
-    with in_schedule.measure(), held, autocast(cfg, device):
+    with timeline.step(step), in_schedule.measure(), held, autocast(cfg, device):
         schedule.step(*inputs, **targets)
     return micro_losses
 
@@ -432,20 +440,64 @@ def record_the_bubble(
     world_size: int,
     is_main: bool,
 ) -> None:
-    """Each rank's activations held for backward and busy share of its time in the schedule, gathered
-    to rank 0 into the record; the bubble is the idle share."""
+    """Each rank's activations held for backward, busy share of its time in the schedule and timeline
+    of one step (its stages' work, ScheduleTimeline), gathered to rank 0 into the record; the bubble is
+    the idle share."""
     busy_s, schedule_s = sum(stage.busy.seconds() for stage in stages), in_schedule.seconds()
     measured = gather_to_rank0(
-        {"activations": saved_activations.peak, "busy_fraction": busy_s / schedule_s if schedule_s else None},
+        {
+            "activations": saved_activations.peak,
+            "busy_fraction": busy_s / schedule_s if schedule_s else None,
+            "timeline": stages[0].timeline.result(),  # (one timeline per rank, shared by its stages)
+        },
         world_size,
     )
     if is_main:
         busy = [m["busy_fraction"] for m in measured]
         record.add_strategy_facts(
-            busy_fraction=busy, peak_activation_bytes=[m["activations"] for m in measured]
+            busy_fraction=busy,
+            peak_activation_bytes=[m["activations"] for m in measured],
+            timeline=[m["timeline"] for m in measured],
         )
         if all(b is not None for b in busy):
             record.set_bubble_fraction(1 - sum(busy) / len(busy))
+
+
+def pipeline_cost(
+    model: BlockModel,
+    cfg: RunConfig,
+    info: DatasetInfo,
+    mesh: PipelineMesh,
+    examples: list,
+    bounds: list[tuple[int, int]],
+    micro_batch: int,
+) -> Predicted:
+    """What this rank costs by formula (distref.cost): each boundary of its stages with a stage on another
+    rank crossed twice per micro-batch (the activation forward, its gradient back: `examples`' outputs'
+    bytes), and with --dp its parameters all-reduced and buffers broadcast over the pipelines; the model
+    states of its stages; the activations of its stage times the micro-batches in flight (GPipe, 1F1B)."""
+    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    communication = pipeline_communication(
+        [out.numel() * out.element_size() for _, out in examples[:-1]],
+        mesh.my_stages,
+        mesh.owner,
+        cfg.strategy.microbatches,
+        parameter_bytes=parameter_bytes,
+        buffer_bytes=[b.numel() * b.element_size() for b in model.buffers()],
+        dp=cfg.strategy.dp,
+    )
+    stage, *more = sorted(mesh.my_stages)
+    activations = None
+    if not more:  # one stage per rank
+        shape = (cfg.model, info, cfg.gpt_layers, bounds, stage, micro_batch, cfg.strategy.microbatches)
+        activations = pipeline_rank(
+            *shape, cfg.strategy.schedule, cfg.precision, cfg.activation_checkpointing
+        )
+    return Predicted(
+        communication=communication,
+        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        activations=activations,
+    )
 
 
 # --- end PIPELINE strategy ---
@@ -474,6 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- PIPELINE: every rank builds the whole model (same seed, same parameters as single), then keeps
     # only its stages' blocks as `model` (optimizer, state_dict; the schedule runs the stages, not `model`).
     core_keys = list(model.state_dict())  # the final state_dict keeps the core model's keys, in order
+    core_blocks = len(model)  # (its blocks, for the activations' formula)
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
     stage_modules, examples, layout = cut_into_stages(model, cuts, cfg, mesh, micro_batch, device, is_main)
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
@@ -518,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- PIPELINE: one trace per rank
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             # --- PIPELINE: the schedule runs every micro-batch's forward and backward on this rank's
             # stages, sending activations and their gradients to the neighbouring stages.
             x, y = next(batches)
@@ -526,7 +579,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for timer in (in_schedule, *(stage.busy for stage in stages)):
                     timer.reset()
                 saved_activations.peak = 0
-            micro_losses = run_schedule(schedule, x, y, mesh, cfg, device, in_schedule, saved_activations)
+            micro_losses = run_schedule(
+                schedule, x, y, mesh, cfg, device, in_schedule, saved_activations, stages[0].timeline, step
+            )
             if dp > 1:
                 all_reduce_gradients(model.parameters(), mesh.dp_group, dp)
                 broadcast_buffers(model, mesh.dp_group)
@@ -552,7 +607,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # --- PIPELINE: only the last stage's ranks hold the losses: the mean over the pipelines
                 log.flush(due.done, reduce=lambda losses: mean_over_pipelines(losses, dp))
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 # --- PIPELINE: each pipeline scores its share of the test set through its stages;
                 # the totals are summed over every rank (only the last stages' are non-zero)
                 shard = eval_batches(test_set, rank=mesh.dp_rank, world_size=dp)
@@ -564,10 +619,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     if cfg.save_final:  # --- PIPELINE: every rank's stages into the core model's full state_dict
         save_final_state(cfg.save_final, model, core_keys, world_size, is_main)
-    # --- PIPELINE: each rank's activations held for backward and busy share of its time in the
-    # schedule (the bubble is the idle share), then its memory and model state (its stages only)
+    # --- PIPELINE: each rank's activations held for backward, busy share of its time in the schedule
+    # (the bubble is the idle share) and timeline of one step, then its memory and model state
     record_the_bubble(record, stages, in_schedule, saved_activations, world_size, is_main)
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    # --- PIPELINE: every rank's memory and model states (its stages'), beside the formulas', and what its
+    # counted step communicated and held for backward beside the formulas' (pipeline_cost), to rank 0
+    predicted = pipeline_cost(
+        model, cfg, info, mesh, examples, part_bounds(cuts, core_blocks), len(micro_batch)
+    )
+    held = saved_activations.peak  # (the stages' own saved-tensor hooks hide the step's from traffic's)
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted, held)
     if is_main:
         print_summary(record.data)
     return record.data

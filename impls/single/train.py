@@ -7,13 +7,14 @@ the same data order, seed and global batch, each strategy must end with the same
     python impls/single/train.py --model gpt --dataset synthetic --steps 300 --lr 3e-3
 """
 
-import time
-
 import torch
 
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
+from distref.cost import Predicted
+from distref.cost.activations import predicted_for_run
+from distref.cost.memory import replicated
 from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=0) as prof:
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             if due.log:
                 log.flush(due.done)
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 totals = evaluate(model, eval_batches(test_set), device, cfg)
                 log.evaluated(due.done, totals, started)
             if due.checkpoint:
@@ -116,7 +117,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
-    record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes])
+    # Model states (a full replica) and activations by formula (distref.cost), beside the measured ones;
+    # one process communicates nothing
+    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    micro_batch, checkpointed = cfg.global_batch_size // cfg.grad_accum, cfg.activation_checkpointing
+    predicted = Predicted(
+        communication={},
+        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        activations=predicted_for_run(
+            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
+        ),
+    )
+    record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)
     return record.data
 

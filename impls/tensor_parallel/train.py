@@ -23,7 +23,6 @@ Changes against impls/single/train.py are marked `# --- TP: ... ---`.
 import argparse
 import contextlib
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist  # --- TP ---
@@ -44,7 +43,9 @@ from torch.distributed.tensor.parallel import (
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_int, under_torchrun
-from distref.data import TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.cost import Predicted
+from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
+from distref.data import DatasetInfo, TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
     destroy_process_group_on_exit,
@@ -210,6 +211,38 @@ def record_held_shapes(model: nn.Module) -> dict[str, list[int]]:
     return shapes
 
 
+def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
+    """What a rank of the (dp_shard, tp) mesh costs by formula (distref.cost.tensor_parallel): per block
+    two all-reduces forward and two backward of b·s·h (sequence parallel: all-gathers and reduce-scatters
+    instead), the embeddings' and the loss's, FSDP2's over the dp_shard groups; this rank's slices of
+    every parameter, gradient and optimizer state."""
+    gpt = GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=cfg.gpt_layers)
+    dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
+    shape = dict(layers=gpt.n_layer, hidden=gpt.n_embd, vocabulary=gpt.vocab_size, sequence=gpt.block_size)
+    shape.update(tp=tp, dp_shard=dp, tp_rank=mesh["tp"].get_local_rank())
+    element = param_dtype(cfg).itemsize
+    communication = tensor_parallel(
+        **shape,
+        micro_batch=cfg.global_batch_size // (dp * cfg.grad_accum),  # each data-parallel group's share
+        sequence_parallel=cfg.strategy.sequence_parallel,
+        loss_parallel=cfg.strategy.loss_parallel,
+        optimizer=cfg.optimizer,
+        grad_accum=cfg.grad_accum,
+        element_bytes=element,
+        compute_element_bytes=2 if cfg.precision == "bf16" else element,  # the linear layers' outputs
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    model_states = tensor_parallel_model_states(
+        **shape,
+        dp_rank=mesh["dp_shard"].get_local_rank(),
+        optimizer=cfg.optimizer,
+        weight_decay=cfg.weight_decay,
+        element_bytes=element,
+        step_bytes=torch.get_default_dtype().itemsize,
+    )
+    return Predicted(communication=communication, model_states=model_states)
+
+
 # --- end TP strategy ---
 
 
@@ -278,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- TP: one trace per rank
         for step in range(start_step, n_steps):
-            started = time.perf_counter()
+            started = log.step_starts(step)
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -311,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # groups' slices give the global-batch loss (a group's ranks hold the same value).
                 log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
             if due.eval:
-                started = time.perf_counter()
+                started = log.eval_starts()
                 # --- TP: each rank scores its shard of the test set with a plain copy of the gathered
                 # model (evaluate_gathered says why); the sums are all-reduced into global numbers.
                 totals = evaluate_gathered(model, eval_model, test_set, device, cfg)
@@ -327,8 +360,10 @@ def main(argv: list[str] | None = None) -> dict:
         final = full_state_dict(model)
         if is_main:
             save_checkpoint(cfg.save_final, final)
-    # --- TP: peak memory and model-state bytes (its slices only) of every rank, gathered to rank 0
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size)
+    # --- TP: every rank's memory and model states (its slices), beside the formulas', and what its
+    # counted step communicated beside the formula's (tp_cost), gathered to rank 0
+    predicted = tp_cost(mesh, cfg, info)
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
     if is_main:
         print_summary(record.data)
     return record.data

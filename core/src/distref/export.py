@@ -120,13 +120,20 @@ python -m pytest tests                                 # {oracle}, and more
 
 
 # What an export does not have: the repository's nox sessions, tools, other impls and benchmark scripts.
-NOT_IN_AN_EXPORT = re.compile(r"\bnox\b|python -m distref\.|\bimpls/|benchmark\.py|\.ci/|\bci/")
+NOT_IN_AN_EXPORT = re.compile(r"\bnox\b|python -m distref\.|\bimpls/|benchmark\.py|\.ci/|\bci/|\bdocs/")
 
 
 def repository_commands_removed(text: str) -> str:
     """The README with no command that would fail in the export: a command line in a code block that
     needs the repository is dropped; one in the prose (`nox -s ddp-gpu`) stays as text marked † (in the
-    distref repository), not as a command."""
+    distref repository), not as a command, and so does a link to the repository's docs/."""
+    # A link out of the impl's folder (../../docs/cost-model.md, ../fsdp) has no target here: its text
+    # stays, with the repository's path.
+    text = re.sub(
+        r"\[([^\]\n]+)\]\(((?:\.\./)+)([^)\s]+)\)",
+        lambda m: f"{m[1]} (`{'impls/' if m[2] == '../' else ''}{m[3]}`)",
+        text,
+    )
     lines, in_code = [], False
     for line in text.splitlines():
         if line.startswith("```"):

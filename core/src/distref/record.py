@@ -14,6 +14,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -185,6 +186,9 @@ class RunRecord:
             "eval_time_s": None,
             "peak_memory_bytes": [],
             "model_state_bytes": [],
+            "model_state_bytes_predicted": None,
+            "communication": None,
+            "activation_bytes": None,
             "strategy": {},
             "target_accuracy": cfg.target_accuracy,
             "time_to_target_s": None,
@@ -241,6 +245,25 @@ class RunRecord:
         measured bubble): the record's "strategy" object."""
         self.data["strategy"].update(facts)
 
+    def set_communication(self, counted_per_rank: list[dict[str, Any]]) -> None:
+        """What each rank communicated and held for backward in its counted step (distref.training.traffic's
+        summary: the step, its phases, its saved activations); `finish` adds what the formulas predict."""
+        steps = {c["step"] for c in counted_per_rank}
+        self.data["communication"] = {
+            "step": steps.pop() if len(steps) == 1 else None,
+            "measured": [c["phases"].get("step") for c in counted_per_rank],
+            "predicted": None,
+            "phases": {
+                phase: [c["phases"].get(phase) for c in counted_per_rank]
+                for phase in ("setup", "log", "eval", "checkpoint")
+            },
+            "counting_overhead_s": None,
+        }
+        self.data["activation_bytes"] = {
+            "measured": [c.get("activation_bytes") for c in counted_per_rank],
+            "predicted": None,
+        }
+
     def set_bubble_fraction(self, fraction: float) -> None:
         """The share of the run a pipeline's stages sat idle (report column; null for other strategies)."""
         self.data["bubble_fraction"] = fraction
@@ -286,7 +309,11 @@ class RunRecord:
         global_batch_size: int,
         peak_memory_per_rank: list[int],
         model_state_per_rank: list[dict[str, int] | None] | None = None,
+        predicted_per_rank: list[dict[str, Any]] | None = None,
     ) -> None:
+        """The run is done: its throughput, memory and model states, written as record.json. Beside what
+        was measured, what the strategy's formulas predict for each rank (distref.cost.Predicted.as_dict:
+        communication, model states, activations)."""
         steps = self.data["steps"]
         timed = [row["step_time_s"] for row in steps[1:]]  # step 0 pays for warm-up (allocations, caches)
         if timed and sum(timed) > 0:
@@ -295,8 +322,35 @@ class RunRecord:
         self.data["eval_time_s"] = sum(e.get("eval_time_s", 0.0) for e in self.data["evals"])
         self.data["peak_memory_bytes"] = [int(m) for m in peak_memory_per_rank]
         self.data["model_state_bytes"] = [s for s in model_state_per_rank or [] if s is not None]
+        self._set_predicted(predicted_per_rank or [])
+        self._counting_overhead()
         self.data["status"] = "completed"
         self.write()
+
+    def _set_predicted(self, per_rank: list[dict[str, Any]]) -> None:
+        """Each formula's numbers, per rank, where every rank has one (else the record keeps null)."""
+
+        def every_rank(key: str) -> list | None:
+            values = [p[key] for p in per_rank]
+            return values if values and all(v is not None for v in values) else None
+
+        self.data["model_state_bytes_predicted"] = every_rank("model_states")
+        if self.data["communication"] is not None:
+            self.data["communication"]["predicted"] = every_rank("communication")
+        if self.data["activation_bytes"] is not None:
+            self.data["activation_bytes"]["predicted"] = every_rank("activations")
+
+    def _counting_overhead(self) -> None:
+        """What counting communication cost: the counted step's time minus the median of this session's
+        other steps but its first (warm-up: allocations, caches, DDP's buckets)."""
+        communication = self.data["communication"]
+        if not communication or communication["step"] is None:
+            return
+        times = {row["step"]: row["step_time_s"] for row in self.data["steps"]}
+        counted = times.pop(communication["step"], None)
+        others = sorted(t for step, t in times.items() if step > min(times, default=0))
+        if counted is not None and others:
+            communication["counting_overhead_s"] = counted - statistics.median(others)
 
     def fail(self, error: str) -> None:
         self.data["status"] = "failed"

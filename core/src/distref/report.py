@@ -62,6 +62,40 @@ EFFICIENCY_NOTE = (
 )
 
 
+COST_NOTE = (
+    "Where these numbers come from: *measured* communication is what each rank issued in one "
+    "steady-state optimizer step (the record's counted step), counted at torch.distributed's dispatcher "
+    "(distref.training.traffic): every collective and point-to-point call, the bytes of the tensors "
+    "passed to it (all_gather and reduce_scatter: the unsharded side) and nccl-tests' bus bytes. Set-up, "
+    "logging, evaluation and checkpoints are counted apart and left out. *Predicted* is the strategy's "
+    "formula (distref.cost, derived in docs/cost-model.md). Communication is shown for the rank that "
+    'moves the most bytes (the step waits for it; "ranks differ" where another rank\'s calls or bytes '
+    "are not the same: a pipeline's or model_parallel's first and last stage); *exact* means the same "
+    "calls and bytes of every kind on every rank as the formula's, else the differences are listed, "
+    "measured − formula. Model states are measured after the first step (parameters + gradients + "
+    "optimizer state a rank holds), activations are the most bytes autograd saved for backward in one "
+    "step (saved-tensor hooks), both beside distref.cost's formulas and, like peak memory, the most of any "
+    "rank; peak is max RSS on CPU (set-up and evaluation included), max allocated on GPU. *no formula*: "
+    "the impl predicts none; — : the record has no such number (an older record, or not measured by "
+    "this impl)."
+)
+
+PIPELINE_NOTE = (
+    "Formula bubble: the idle share of each rank's step with p stage ranks and m micro-batches, "
+    "(p-1)/(m+p-1) for GPipe and 1F1B (GPipe, Huang et al. 2019, §2.2), (p-1)/(v·m+p-1) for interleaved "
+    "1F1B with v stages per rank and m ≥ p (Megatron-LM, Narayanan et al. 2021, §2.2); the zero-bubble and "
+    "V-shaped schedules get no formula here. Measured bubble: 1 − each rank's busy share (time in its "
+    "stages' forward and backward ÷ time in the schedule, from the second step on), averaged over ranks; "
+    "the sends, receives, the loss and the schedule's own work count as idle, so on small models it is "
+    "well above the formula. The timeline is one step of it (the last one not slowed by counting its "
+    "communication), one row per rank: each forward (F), backward (B; with zero-bubble schedules I, the "
+    "input gradients, and W, the weight gradients, later) by micro-batch (with several stages on a rank, "
+    "torch's notation: 2F0 is stage 2's forward of micro-batch 0), on the grey of the rank's time in the "
+    "schedule, so that grey is idle; rows are placed by each rank's wall clock (one host: exact). Its "
+    "step's bubble is in the table's last column. Times are the host's clock on CPU, CUDA events on GPU."
+)
+
+
 def hardware(record: dict[str, Any]) -> tuple[int, str]:
     """(units, description) of what a run kept busy: GPUs on CUDA, processes × threads on CPU."""
     env = record["environment"]
@@ -168,13 +202,13 @@ def workload_differences(runs: list[Run]) -> list[str]:
 # ---- plots ------------------------------------------------------------------------------------------
 
 
-def _figure(title: str, runs: list[Run]):
+def _figure(title: str, runs: list[Run], size: tuple[float, float] = (8, 4.5)):
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=size)
     ax.set_title(title)
     shas = sorted({(r.record["environment"]["git_sha"] or "no-git")[:10] for r in runs})
     source = "; ".join(f"{r.label}: {r.path.name}" for r in runs)
@@ -256,12 +290,157 @@ def plot_bars(runs: list[Run], out: Path, what: str) -> str:
         ax.set_ylabel("MiB")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: bars reach the top
         name = "peak_memory.png"
-    else:  # pipeline bubble
-        fig, ax = _figure("pipeline bubble (idle fraction of each stage)", runs)
+    else:  # pipeline bubble: measured, and the formula's beside it where the schedule has one
+        fig, ax = _figure("pipeline bubble (idle share of each rank's time in the schedule)", runs)
         shown = [r for r in runs if r.record.get("bubble_fraction") is not None]
-        ax.bar([r.label for r in shown], [r.record["bubble_fraction"] for r in shown], color="tab:orange")
-        ax.set_ylabel("fraction of step time idle")
+        x = np.arange(len(shown))
+        measured = [r.record["bubble_fraction"] for r in shown]
+        formula = [formula_bubble(r.record) for r in shown]
+        ax.bar(x - 0.2, measured, 0.4, color="tab:orange", label="measured (mean over ranks)")
+        ax.bar(x + 0.2, [f or 0 for f in formula], 0.4, color="tab:gray", label="formula")
+        for i, f in enumerate(formula):
+            if f is None:
+                ax.text(x[i] + 0.2, 0.01, "no formula", ha="center", va="bottom", rotation=90, fontsize=8)
+        ax.set_xticks(
+            x, [f"{r.label}\n{r.record['strategy'].get('schedule', '')}" for r in shown], fontsize=8
+        )
+        ax.set_xlim(-0.8, len(shown) - 0.2)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("fraction of time in the schedule idle")
+        ax.legend()
         name = "pipeline_bubble.png"
+    return _save(fig, out / name)
+
+
+# The kinds of communication, in the order tables and plots list them (distref.training.traffic's).
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
+# A pipeline timeline's work, by torch's letters (pipelining.schedules._ComputationType): name, colour.
+ACTIONS = {
+    "F": ("forward", "tab:blue"),
+    "B": ("backward (input and weight gradients)", "tab:orange"),
+    "I": ("backward, input gradients", "tab:red"),
+    "W": ("backward, weight gradients", "tab:green"),
+}
+
+
+def _kinds(per_rank: list[dict]) -> list[str]:
+    """The kinds any rank communicated: KINDS' order, then any other alphabetically."""
+    seen = {kind for counts in per_rank for kind in counts}
+    return [k for k in KINDS if k in seen] + sorted(seen - set(KINDS))
+
+
+def measured_communication(record: dict[str, Any]) -> list[dict] | None:
+    """Per rank, {kind: {"calls", "bytes", "bus_bytes"}} of the counted step; None where the record has
+    none (older records, or a step no rank counted)."""
+    measured = (record.get("communication") or {}).get("measured")
+    if not measured or all(m is None for m in measured):
+        return None
+    return [m or {} for m in measured]
+
+
+def predicted_communication(record: dict[str, Any]) -> list[dict] | None:
+    predicted = (record.get("communication") or {}).get("predicted")
+    return [p or {} for p in predicted] if predicted else None
+
+
+def plot_communication(runs: list[Run], out: Path) -> str | None:
+    """Bytes per step by strategy: the rank that moves the most, stacked by kind, its formula's total
+    beside it; None when no run recorded its communication."""
+    shown = [(r, m) for r in runs if (m := measured_communication(r.record)) is not None]
+    if not shown:
+        return None
+    busiest = []  # per run: (the rank, its counts, its formula's total bytes or None)
+    for run, measured in shown:
+        rank = busiest_rank(measured)
+        predicted = predicted_communication(run.record)
+        formula = sum(c["bytes"] for c in predicted[rank].values()) if predicted else None
+        busiest.append((rank, measured[rank], formula))
+    most = max([sum(c["bytes"] for c in m.values()) for _, m, _ in busiest] + [1])
+    unit, scale = next((u, 2.0**e) for u, e in (("MiB", 20), ("KiB", 10), ("B", 0)) if most >= 2**e)
+    title = "communication per step (the rank moving the most bytes), by kind"
+    fig, ax = _figure(title, [r for r, _ in shown], size=(max(8.0, 3 + 1.3 * len(shown)), 4.5))
+    kinds = _kinds([m for _, m, _ in busiest])
+    x = list(range(len(shown)))
+    bottom = [0.0] * len(shown)
+    for kind in kinds:
+        heights = [m.get(kind, {}).get("bytes", 0) / scale for _, m, _ in busiest]
+        colour = f"C{KINDS.index(kind)}" if kind in KINDS else None
+        ax.bar(x, heights, 0.6, bottom=bottom, label=kind, color=colour)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    formula = [(i, f / scale) for i, (_, _, f) in enumerate(busiest) if f is not None]
+    if formula:
+        ax.scatter(
+            [i for i, _ in formula],
+            [f for _, f in formula],
+            marker="_",
+            s=900,
+            color="black",
+            zorder=3,
+            label="formula (total)",
+        )
+    for i, (_, m, _) in enumerate(busiest):
+        if not m:
+            ax.text(i, 0, "none", ha="center", va="bottom", fontsize=8)
+    names = [r.label.replace(" ", "\n", 1) for r, _ in shown]  # "ddp\n×2": narrow enough side by side
+    ax.set_xticks(
+        x, [f"{n}\n(rank {rank})" for n, (rank, _, _) in zip(names, busiest, strict=True)], fontsize=8
+    )
+    ax.set_ylabel(f"{unit} per optimizer step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, out / "communication_per_step.png")
+
+
+def plot_timeline(run: Run, out: Path, name: str) -> str:
+    """One row per rank: the work its stages did in the timeline's step (coloured by action, labelled
+    with the micro-batch, torch's "stage action micro-batch" where a rank holds several stages) on the
+    grey of its time in the schedule, so that grey is idle. Rows start when that rank's schedule started:
+    placed against each other by the wall clock."""
+    import matplotlib.patches as mpatches
+
+    strategy = run.record["strategy"]
+    rows = [(rank, t) for rank, t in enumerate(strategy["timeline"]) if t]
+    origin = min(t["started_at"] for _, t in rows)
+    ms = [(1000 * (t["started_at"] - origin), t) for _, t in rows]  # each row's start, in ms
+    end = max(start + 1000 * t["schedule_s"] for start, t in ms)
+    steps = sorted({t["step"] for _, t in rows})
+    title = (
+        f"{run.label} {strategy.get('schedule', '')}, {strategy.get('microbatches', '?')} micro-batches: "
+        f"step {', '.join(map(str, steps))}, each rank's work"
+    )
+    fig, ax = _figure(title, [run], size=(10, 1.6 + 0.7 * len(rows)))
+    several = any(len({w[1] for w in t["work"]}) > 1 for _, t in rows)
+    labels, used = [], set()
+    for row, ((rank, t), (start, _)) in enumerate(zip(rows, ms, strict=True)):
+        ax.broken_barh([(start, 1000 * t["schedule_s"])], (row - 0.4, 0.8), facecolor="0.88")
+        stages = sorted({w[1] for w in t["work"]})
+        for action, stage, micro, t0, t1 in t["work"]:
+            used.add(action)
+            left, width = start + 1000 * t0, 1000 * (t1 - t0)
+            hatch = "//" if stages.index(stage) % 2 else None  # a rank's second stage, hatched
+            colour = ACTIONS.get(action, (action, "tab:purple"))[1]
+            ax.broken_barh(
+                [(left, width)], (row - 0.4, 0.8), facecolor=colour, edgecolor="white", hatch=hatch
+            )
+            text = f"{stage}{action}{micro}" if several else f"{action}{micro}"
+            if width > (5 * len(text) + 2) * end / 850:  # room for the label (~5 px a character)
+                ax.text(left + width / 2, row, text, ha="center", va="center", fontsize=7, color="white")
+        busy = sum(w[4] - w[3] for w in t["work"]) / t["schedule_s"] if t["schedule_s"] else 0
+        held = ", ".join(map(str, stages))
+        labels.append(f"rank {rank}: stage{'s' if len(stages) > 1 else ''} {held}\nidle {1 - busy:.0%}")
+    ax.set_yticks(range(len(rows)), labels)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlim(0, end * 1.01)
+    clock = "CUDA events" if str(run.record["environment"]["device"]).startswith("cuda") else "host clock"
+    ax.set_xlabel(f"ms from the first rank's start of the step's schedule ({clock})")
+    handles = [mpatches.Patch(color=ACTIONS[a][1], label=ACTIONS[a][0]) for a in ACTIONS if a in used]
+    handles.append(mpatches.Patch(color="0.88", label="idle (waiting, sends, receives, the schedule)"))
+    if several:
+        handles.append(
+            mpatches.Patch(facecolor="white", edgecolor="gray", hatch="//", label="a rank's 2nd stage")
+        )
+    # Between the title and the rows: the rows fill the plot.
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3, fontsize=8, frameon=False)
+    ax.set_title(title, pad=12 + 14 * ((len(handles) + 2) // 3))
     return _save(fig, out / name)
 
 
@@ -272,10 +451,190 @@ def _fmt(value: Any, spec: str = "", none: str = "—") -> str:
     return none if value is None else format(value, spec)
 
 
+def formula_bubble(record: dict[str, Any]) -> float | None:
+    """The idle share a pipeline's schedule has by formula, with p stage ranks, v stages per rank and m
+    micro-batches (PIPELINE_NOTE); None for schedules without one (zero-bubble, V-shaped) and records
+    that do not say their schedule."""
+    strategy = record.get("strategy") or {}
+    schedule, m = strategy.get("schedule"), strategy.get("microbatches")
+    if not schedule or not m or not strategy.get("stages"):
+        return None
+    p = record["world_size"] // (strategy.get("dp") or 1)
+    v = strategy["stages"] // p
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved-1f1b" and m >= p:  # (Megatron's derivation: m a multiple of p)
+        return (p - 1) / (v * m + p - 1)
+    return None
+
+
+def timeline_bubble(timeline: list[dict | None]) -> float | None:
+    """The idle share of the timeline's step, averaged over ranks (as bubble_fraction averages)."""
+    shares = [
+        1 - sum(w[4] - w[3] for w in t["work"]) / t["schedule_s"] for t in timeline if t and t["schedule_s"]
+    ]
+    return sum(shares) / len(shares) if shares else None
+
+
+def _bytes(n: float | None, signed: bool = False) -> str:
+    """Bytes as people read them: B, KiB, MiB, GiB (1024s), one decimal; '+' for a positive difference."""
+    if n is None:
+        return "—"
+    sign = "+" if signed and n > 0 else "-" if n < 0 else ""
+    n = abs(n)
+    for unit, exponent in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 2**exponent:
+            return f"{sign}{n / 2**exponent:,.1f} {unit}"
+    return f"{sign}{n:,.0f} B"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def busiest_rank(measured: list[dict]) -> int:
+    """The rank that moves the most bytes in the counted step (the lowest of equals)."""
+    totals = [sum(c["bytes"] for c in counts.values()) for counts in measured]
+    return max(range(len(totals)), key=totals.__getitem__)
+
+
+def communication_cells(record: dict[str, Any]) -> list[str]:
+    """[per step (the busiest rank's calls and bytes per kind), its bus bytes, vs formula ("exact", or
+    each rank and kind that differs: measured − formula)]."""
+    measured = measured_communication(record)
+    if measured is None:
+        return ["—", "—", "—"]
+    rank = busiest_rank(measured)
+    counts = measured[rank]
+    per_step = "; ".join(
+        f"{kind}: {_plural(counts[kind]['calls'], 'call')}, {_bytes(counts[kind]['bytes'])}"
+        for kind in _kinds([counts])
+    )
+    if len(measured) > 1:
+        same = all(_calls_and_bytes(m) == _calls_and_bytes(counts) for m in measured)
+        per_step = f"{per_step or 'none'} ({'every rank' if same else f'rank {rank}; ranks differ'})"
+    bus = _bytes(sum(c.get("bus_bytes", 0) for c in counts.values()))
+    predicted = predicted_communication(record)
+    if predicted is None:
+        return [per_step or "none", bus, "no formula"]
+    differences = []
+    for r, (m, p) in enumerate(zip(measured, predicted, strict=False)):
+        for kind in _kinds([m, p]):
+            calls = m.get(kind, {}).get("calls", 0) - p.get(kind, {}).get("calls", 0)
+            size = m.get(kind, {}).get("bytes", 0) - p.get(kind, {}).get("bytes", 0)
+            if calls or size:
+                differences.append(f"rank {r} {kind} {calls:+d} calls, {_bytes(size, signed=True)}")
+    if len(measured) != len(predicted):
+        differences.append(f"{len(measured)} ranks measured, {len(predicted)} predicted")
+    return [per_step or "none", bus, _differences(differences)]
+
+
+def _calls_and_bytes(counts: dict) -> dict:
+    return {kind: (c["calls"], c["bytes"]) for kind, c in counts.items()}
+
+
+def _differences(differences: list[str]) -> str:
+    if not differences:
+        return "exact"
+    more = f" (and {len(differences) - 2} more)" if len(differences) > 2 else ""
+    return "**differs** (measured − formula): " + "; ".join(differences[:2]) + more
+
+
+STATE_KINDS = ("parameters", "gradients", "optimizer")
+
+
+def memory_cells(record: dict[str, Any]) -> list[str]:
+    """[model states, vs formula, activations, vs formula]: per rank, the most of any rank; vs formula
+    "exact" (every rank, every kind), the differences (measured − formula), "no formula" (the record has
+    a place for one but the impl gave none) or — (an older record: no place for one)."""
+    states = [s for s in record.get("model_state_bytes") or [] if s]
+    predicted = record.get("model_state_bytes_predicted")
+    if "model_state_bytes_predicted" not in record:
+        states_vs = "—"
+    elif not predicted or all(p is None for p in predicted):
+        states_vs = "no formula"
+    else:
+        states_vs = _differences(
+            [
+                f"rank {rank} {kind} {_bytes(s.get(kind, 0) - p.get(kind, 0), signed=True)}"
+                for rank, (s, p) in enumerate(zip(states, predicted, strict=False))
+                if p is not None
+                for kind in STATE_KINDS
+                if s.get(kind, 0) != p.get(kind, 0)
+            ]
+        )
+    activations = record.get("activation_bytes") or {}
+    measured_held = activations.get("measured") or []
+    predicted_held = activations.get("predicted")
+    if not activations:
+        held_vs = "—"
+    elif not predicted_held or all(p is None for p in predicted_held):
+        held_vs = "no formula"
+    else:
+        held_vs = _differences(
+            [
+                f"rank {rank} {_bytes(m - p, signed=True)}"
+                for rank, (m, p) in enumerate(zip(measured_held, predicted_held, strict=False))
+                if m is not None and p is not None and m != p
+            ]
+        )
+    return [
+        _bytes(max((sum(s.get(k, 0) for k in STATE_KINDS) for s in states), default=None)),
+        states_vs,
+        _bytes(max((a for a in measured_held if a is not None), default=None)),
+        held_vs,
+    ]
+
+
+def cost_row(run: Run) -> list[str]:
+    rec = run.record
+    peaks = rec.get("peak_memory_bytes") or []
+    return [
+        run.label,
+        str(rec["world_size"]),
+        *communication_cells(rec),
+        *memory_cells(rec),
+        _bytes(max(peaks, default=None)),
+    ]
+
+
+def pipeline_row(run: Run) -> list[str]:
+    rec = run.record
+    strategy = rec.get("strategy") or {}
+    p = rec["world_size"] // (strategy.get("dp") or 1)
+    v = strategy["stages"] // p if strategy.get("stages") else None
+    busy = strategy.get("busy_fraction") or []
+    timeline = strategy.get("timeline") or []
+    steps = sorted({t["step"] for t in timeline if t})
+    shown = f"step {', '.join(map(str, steps))}: {timeline_bubble(timeline):.2f}" if steps else "—"
+    formula = formula_bubble(rec)
+    return [
+        run.label,
+        strategy.get("schedule", "—"),
+        f"{p} × {v}" if v else "—",
+        str(strategy.get("microbatches", "—")),
+        _fmt(formula, ".2f", none="no formula" if strategy.get("schedule") else "—"),
+        _fmt(rec.get("bubble_fraction"), ".2f"),
+        ", ".join(f"{b:.2f}" if b is not None else "—" for b in busy) or "—",
+        shown,
+    ]
+
+
+COST_TITLE = "Cost: communication per step and memory per rank, measured and by formula"
+PIPELINE_TITLE = "Pipeline: the bubble by formula and measured, and the schedule's timeline"
+
+
+def is_pipeline(run: Run) -> bool:
+    strategy = run.record.get("strategy") or {}
+    return run.record.get("bubble_fraction") is not None or bool(strategy.get("timeline"))
+
+
 def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
     baseline = next((r for r in runs if r.impl == "single" and r.ok), None)
     base_state = baseline.final_state() if baseline else None
     parity, speed, target, memory, held, versions = [], [], [], [], [], []
+    cost = [cost_row(run) for run in runs]
+    pipelines = [pipeline_row(run) for run in runs if is_pipeline(run)]
     for run in runs:
         rec = run.record
         parity.append([run.label, *parity_cells(run, baseline, base_state)])
@@ -381,6 +740,40 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
             ],
             held,
         ),
+        COST_TITLE: (
+            [
+                "run",
+                "ranks",
+                "communication per step (the busiest rank)",
+                "bus bytes",
+                "communication vs formula",
+                "model states",
+                "model states vs formula",
+                "activations",
+                "activations vs formula",
+                "peak memory",
+            ],
+            cost,
+        ),
+        **(
+            {
+                PIPELINE_TITLE: (
+                    [
+                        "run",
+                        "schedule",
+                        "stage ranks × stages per rank",
+                        "micro-batches",
+                        "bubble by formula",
+                        "bubble measured (mean over ranks)",
+                        "busy share per rank",
+                        "the timeline's step: its bubble",
+                    ],
+                    pipelines,
+                )
+            }
+            if pipelines
+            else {}
+        ),
         "Versions and environment": (
             [
                 "run",
@@ -472,8 +865,16 @@ def build_report(
             "Throughput": plot_bars(completed, out, "throughput"),
             "Peak memory per rank": plot_bars(completed, out, "memory"),
         }
-        if any(r.record.get("bubble_fraction") is not None for r in completed):
-            plots["Pipeline bubble"] = plot_bars(completed, out, "bubble")
+    # Plots of a section, shown under its table and note.
+    section_plots: dict[str, list[tuple[str, str]]] = {COST_TITLE: [], PIPELINE_TITLE: []}
+    if completed and (name := plot_communication(completed, out)):
+        section_plots[COST_TITLE].append(("Communication per step by strategy", name))
+    if any(r.record.get("bubble_fraction") is not None for r in completed):
+        section_plots[PIPELINE_TITLE].append(("Pipeline bubble", plot_bars(completed, out, "bubble")))
+    timelines = [r for r in completed if any((r.record.get("strategy") or {}).get("timeline") or [])]
+    for n, run in enumerate(timelines, start=1):
+        name = plot_timeline(run, out, f"pipeline_timeline_{n}.png")
+        section_plots[PIPELINE_TITLE].append((f"Pipeline timeline: {run.label} ({run.path.name})", name))
 
     # Mixed workloads have no one title: each run's workload is listed under the warning instead.
     workload = "mixed workloads" if differences else describe_workload(runs[0].record["config"])
@@ -497,6 +898,12 @@ def build_report(
             md += [TARGET_NOTE, ""]
         if title.startswith("Throughput"):
             md += [EFFICIENCY_NOTE, ""]
+        if title == COST_TITLE:
+            md += [COST_NOTE, ""]
+        if title == PIPELINE_TITLE:
+            md += [PIPELINE_NOTE, ""]
+        for caption, name in section_plots.get(title, []):
+            md += [f"### {caption}", "", f"![{caption}]({name})", ""]
     for title, name in plots.items():
         md += [f"## {title}", "", f"![{title}]({name})", ""]
     report = out / "report.md"

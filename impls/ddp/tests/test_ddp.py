@@ -14,14 +14,18 @@ import torch
 
 from distref.cli import parse_config
 from distref.testing import (
+    COST_RUN,
     DATA_ROOT,
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
     ROOT,
     batchnorm_args,
+    check_activations_predicted,
+    check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_model_states_predicted,
     check_stopped_rank_is_named,
     counting_block_calls,
     expected_time_to_target,
@@ -470,3 +474,28 @@ def test_two_gpus_match_single(single_train, tmp_path):
     assert max_relative_difference(final, reference) < FP64_TOLERANCE
     record = json.loads((tmp_path / "ddp" / "record.json").read_text())
     assert record["environment"]["backend"] == "nccl" and len(record["peak_memory_bytes"]) == 2
+
+
+@pytest.mark.parametrize(
+    "world_size, extra",
+    [
+        (2, ["--model", "lenet", "--activation-checkpointing"]),
+        (
+            3,
+            ["--model", "lenet", "--grad-accum", "2", "--optimizer", "sgd"],
+        ),  # still one all-reduce per bucket and step
+        (3, ["--model", "gpt", "--bucket-cap-mb", "0.05"]),  # several buckets
+        (2, ["--model", "lenet", "--comm-hook", "bf16"]),  # half the bytes
+        (2, ["--model", "resnet18", "--grad-accum", "2"]),  # BatchNorm buffers: broadcast each forward
+    ],
+    ids=["w2", "w3-accum", "w3-gpt-buckets", "w2-bf16", "w2-resnet-buffers"],
+)
+def test_cost_equals_the_formulas(world_size, extra, tmp_path):
+    """What one step sends, counted at the dispatcher, equals distref.cost.data_parallel.ddp exactly, and
+    each rank's model states distref.cost.memory.replicated."""
+    run_ddp(world_size, [*COST_RUN, *extra, "--out", str(tmp_path)])
+    record = check_communication_predicted(tmp_path, world_size)
+    check_model_states_predicted(record)
+    check_activations_predicted(record)
+    all_reduce = record["communication"]["measured"][0]["all_reduce"]
+    assert all_reduce["calls"] >= (2 if "--bucket-cap-mb" in extra else 1)

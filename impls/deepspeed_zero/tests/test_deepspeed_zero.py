@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     PARITY_TOLERANCE,
+    check_activations_predicted,
+    check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_model_states_predicted,
     check_stopped_rank_is_named,
     launch,
     load_train_module,
@@ -303,3 +307,33 @@ def test_bf16_on_gpus_trains_within_a_band_of_fp32(single_train, tmp_path):
     record = json.loads((tmp_path / "bf16" / "record.json").read_text())
     bf16, fp32 = (torch.tensor([s["loss"] for s in r["steps"]]) for r in (record, single))
     assert ((bf16 - fp32).abs() / fp32).max().item() < 2e-2
+
+
+# 0.0625 MB = 16384 elements: gpt's 102400 parameters fill 11 reduce buckets (a --bucket-mb giving an odd
+# number of elements is refused by DeepSpeed: allgather_bucket_size must be a multiple of 2).
+COST_CASES = {
+    "stage1-lenet-w2": (1, 2, ["--model", "lenet"]),
+    "stage1-gpt-w2-buckets": (1, 2, ["--model", "gpt", "--bucket-mb", "0.0625"]),  # in parameter order
+    "stage2-gpt-w3-padded": (2, 3, ["--model", "gpt"]),  # 102400 → 102402 elements: rank 2 holds padding
+    "stage2-gpt-w2-buckets": (2, 2, ["--model", "gpt", "--bucket-mb", "0.0625"]),  # in backward's order
+    "stage2-lenet-w3-sgd-accum2": (2, 3, ["--model", "lenet", "--optimizer", "sgd", "--grad-accum", "2"]),
+    "stage3-lenet-w2": (3, 2, ["--model", "lenet"]),
+    "stage3-gpt-w3-padded": (3, 3, ["--model", "gpt"]),  # every tensor padded to a multiple of 3
+    "stage3-lenet-w3-sgd-accum2": (3, 3, ["--model", "lenet", "--optimizer", "sgd", "--grad-accum", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", COST_CASES)
+def test_cost_equals_the_formulas(case, tmp_path):
+    """What one step sends, counted at the dispatcher, equals distref.cost.zero.zero_communication exactly
+    (calls and bytes of every kind on every rank), and each rank's model states zero_model_states."""
+    stage, world, extra = COST_CASES[case]
+    run_zero(world, [*COST_RUN, "--zero-stage", str(stage), *extra, "--out", str(tmp_path)])
+    record = check_communication_predicted(tmp_path, world)
+    check_model_states_predicted(record)
+    check_activations_predicted(record)
+    measured = record["communication"]["measured"][0]
+    if stage < 3:  # ZeRO-DP's 2Ψ of the paper, as an all-reduce of the gradients and an all-gather
+        assert set(measured) == {"all_reduce", "all_gather"}
+    else:
+        assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}

@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
+    check_activations_predicted,
+    check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_model_states_predicted,
     check_stopped_rank_is_named,
     launch,
     load_train_module,
@@ -248,3 +252,39 @@ def test_on_gpus_matches_single_and_bf16_stays_within_a_band(single_train, tmp_p
     run_fsdp(2, [*args, "--precision", "bf16", "--out", str(tmp_path / "bf16")])
     record = json.loads((tmp_path / "bf16" / "record.json").read_text())
     assert record["status"] == "completed" and all(s["loss"] is not None for s in record["steps"])
+
+
+@pytest.mark.parametrize(
+    "world_size, extra",
+    [
+        (2, ["--model", "lenet", "--activation-checkpointing"]),
+        (3, ["--model", "lenet"]),  # dim 0 padded to a multiple of 3: the last rank holds fewer rows
+        (4, ["--model", "lenet", "--hsdp", "2"]),  # 2 × 2: reduce-scatter in a replica, all-reduce across
+        (2, ["--model", "gpt", "--no-reshard-after-forward", "--optimizer", "sgd"]),  # one gather per unit
+        (3, ["--model", "gpt", "--grad-accum", "2"]),  # gathers every micro-step, reduces in the last only
+        (
+            2,
+            ["--model", "lenet", "--precision", "bf16", "--cpu-offload"],
+        ),  # gathered in bf16, reduced in fp32
+    ],
+    ids=["w2", "w3-uneven", "w4-hsdp2", "w2-gpt-no-reshard", "w3-gpt-accum2", "w2-bf16-offload"],
+)
+def test_cost_equals_the_formulas(world_size, extra, tmp_path):
+    """What one step sends, counted at the dispatcher, equals distref.cost.sharded.fsdp exactly (calls and
+    bytes of every all-gather, reduce-scatter and HSDP all-reduce), and each rank's model states
+    distref.cost.sharded.fsdp_model_states: its own rows of every parameter, which differ by rank."""
+    run_fsdp(world_size, [*COST_RUN, *extra, "--out", str(tmp_path)])
+    record = check_communication_predicted(tmp_path, world_size)
+    check_model_states_predicted(record)
+    if "--precision" not in extra:  # (activations: fp32/fp64 formulas only)
+        check_activations_predicted(record)
+    measured = record["communication"]["measured"]
+    units = 4  # every block of lenet and gpt (embedding, 2 layers, head) is a fully_shard unit
+    micro_steps = 2 if "--grad-accum" in extra else 1
+    resharded = 0 if "--no-reshard-after-forward" in extra else units - 1  # (never the last unit)
+    assert measured[0]["all_gather"]["calls"] == micro_steps * (units + resharded)
+    assert measured[0]["reduce_scatter"]["calls"] == units
+    assert ("all_reduce" in measured[0]) == ("--hsdp" in extra)
+    if world_size == 3:  # uneven shards: the last rank holds fewer rows than the others
+        held = [states["parameters"] for states in record["model_state_bytes"]]
+        assert held[2] < held[0] == held[1]

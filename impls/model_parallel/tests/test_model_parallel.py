@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     FP64_TOLERANCE,
     GPU_PARITY,
     batchnorm_args,
+    check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_model_states_predicted,
     check_stopped_rank_is_named,
     expected_time_to_target,
     launch,
@@ -236,3 +239,28 @@ def test_both_forms_on_two_gpus_match_single(form, single_train, tmp_path):
     run_mp([*form, *args, "--save-final", str(tmp_path / "mp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("mp", "single"))
     assert max_relative_difference(final, reference) < FP64_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "parts, extra",
+    [
+        (2, ["--model", "lenet"]),
+        (3, ["--model", "lenet", "--grad-accum", "2", "--optimizer", "sgd"]),  # M = 2 micro-batches
+        (3, ["--model", "gpt", "--gpt-layers", "2", "--precision", "bf16"]),  # bf16 activations
+        (2, ["--model", "lenet", "--devices", "cpu,cpu"]),  # one process: nothing to send
+    ],
+    ids=["p2", "p3-accum", "p3-gpt-bf16", "one-process"],
+)
+def test_cost_equals_the_formulas(parts, extra, tmp_path):
+    """What one step sends and receives, counted at the dispatcher, equals distref.cost.pipeline.
+    model_parallel exactly (per micro-batch: a header and the activation forward, its gradient back), and
+    each rank's model states those of its part."""
+    ranks = 1 if "--devices" in extra else parts
+    nproc = [] if ranks == 1 else ["--nproc-per-node", str(parts)]
+    run_mp([*COST_RUN, *extra, *nproc, "--out", str(tmp_path)])
+    record = check_communication_predicted(tmp_path, ranks)
+    check_model_states_predicted(record)
+    if ranks > 1:
+        assert all(
+            m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"]
+        )

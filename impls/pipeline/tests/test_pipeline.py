@@ -3,18 +3,23 @@ schedule, converging, resuming exactly after a killed rank, and refusing bad inp
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
     batchnorm_args,
+    check_activations_predicted,
+    check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_model_states_predicted,
     check_stopped_rank_is_named,
     expected_time_to_target,
     launch,
@@ -418,3 +423,85 @@ def test_two_gpus_match_single(single_train, tmp_path):
     run_pp(2, [*args, "--save-final", str(tmp_path / "pp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("pp", "single"))
     assert max_relative_difference(final, reference) < FP64_TOLERANCE
+
+
+COST_CASES = {  # ranks, options: every schedule at 2 ranks, 4-rank pipelines, and 2 pipelines × 2 ranks
+    "p2-gpipe": (2, ["--model", "lenet", "--schedule", "gpipe"]),
+    "p2-1f1b": (2, ["--model", "lenet", "--schedule", "1f1b", "--microbatches", "2"]),
+    "p4-1f1b-gpt-checkpointed": (4, ["--model", "gpt", "--microbatches", "8", "--activation-checkpointing"]),
+    "p2-interleaved-1f1b": (2, ["--model", "lenet", "--schedule", "interleaved-1f1b"]),
+    "p2-interleaved-zero-bubble": (2, ["--model", "lenet", "--schedule", "interleaved-zero-bubble"]),
+    "p2-zbv": (2, ["--model", "lenet", "--schedule", "zbv"]),  # stages 1 and 2 on one rank: no send
+    "p2-dualpipev": (2, ["--model", "lenet", "--schedule", "dualpipev"]),
+    "p4-1f1b-gpt-bf16": (4, ["--model", "gpt", "--gpt-layers", "2", "--precision", "bf16"]),
+    "p4-interleaved-1f1b-gpt": (
+        4,
+        ["--model", "gpt", "--gpt-layers", "6", "--schedule", "interleaved-1f1b", "--microbatches", "8"],
+    ),
+    "dp2xp2-gpipe-resnet": (4, ["--model", "resnet18", "--dp", "2", "--schedule", "gpipe"]),  # buffers
+}
+
+
+@pytest.mark.parametrize("case", list(COST_CASES))
+def test_cost_equals_the_formulas(case, tmp_path):
+    """What one step sends and receives, counted at the dispatcher, equals distref.cost.pipeline.pipeline
+    exactly (M sends of each boundary's activation, M of its gradient; with --dp an all-reduce per
+    parameter and a broadcast per buffer), and each rank's model states those of its stages."""
+    ranks, extra = COST_CASES[case]
+    run_pp(ranks, [*COST_RUN, *extra, "--out", str(tmp_path)])
+    record = check_communication_predicted(tmp_path, ranks)
+    check_model_states_predicted(record)
+    schedule = extra[extra.index("--schedule") + 1] if "--schedule" in extra else "1f1b"
+    if schedule in ("gpipe", "1f1b") and "--precision" not in extra:
+        # M micro-batches in flight on every GPipe stage, p - s on 1F1B's stage s
+        check_activations_predicted(record)
+    assert all(m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"])
+
+
+def test_the_record_holds_each_rank_s_timeline_of_one_step(tmp_path):
+    """The report's timeline (ScheduleTimeline): each rank's forwards and backwards in one step, in
+    torch's 1F1B order, each micro-batch once, one at a time within the step, and placed against the
+    other rank's by the wall clock so that each micro-batch crosses the ranks in order."""
+    m = 4
+    run_pp(
+        2,
+        [
+            *COST_RUN,
+            "--model",
+            "lenet",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            str(m),
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    record = json.loads((tmp_path / "record.json").read_text())
+    timeline = record["strategy"]["timeline"]
+    assert len(timeline) == 2
+    # Step 2 of 3 is the one whose traffic is counted (every operation through Python: slower): the
+    # timeline is of the last one not counted.
+    assert record["communication"]["step"] == 2
+    # 1F1B: stage s runs p - s forwards first, then one backward, one forward; M of each
+    order = {0: "F0 F1 B0 F2 B1 F3 B2 B3", 1: "F0 B0 F1 B1 F2 B2 F3 B3"}
+    for rank, step in enumerate(timeline):
+        assert step["step"] == 1 and step["counted"] is False
+        assert [w[1] for w in step["work"]] == [rank] * 2 * m  # its stage
+        assert " ".join(f"{action}{micro}" for action, _, micro, _, _ in step["work"]) == order[rank]
+        times = [t for w in step["work"] for t in w[3:]]
+        assert times == sorted(times) and len(set(times)) == len(times)  # in order, none overlapping
+        assert times[0] > 0 and times[-1] < step["schedule_s"] < 5  # within the step's schedule
+
+    def interval(rank: int, action: str, micro: int) -> tuple[float, float]:
+        start, end = next(w[3:] for w in timeline[rank]["work"] if w[0] == action and w[2] == micro)
+        return timeline[rank]["started_at"] + start, timeline[rank]["started_at"] + end
+
+    # Each rank's start is its wall clock's (the rows' placement in the report), during the run
+    began, ended = (
+        datetime.datetime.fromisoformat(record[k]).timestamp() for k in ("started_at", "finished_at")
+    )
+    assert all(began <= step["started_at"] <= ended + 1 for step in timeline)  # (the record's: whole seconds)
+    for micro in range(m):  # the activation goes 0 → 1, its gradient 1 → 0
+        assert interval(1, "F", micro)[0] > interval(0, "F", micro)[1]
+        assert interval(0, "B", micro)[0] > interval(1, "B", micro)[1]

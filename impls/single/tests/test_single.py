@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     batchnorm_args,
+    check_activations_predicted,
+    check_model_states_predicted,
     counting_block_calls,
     expected_time_to_target,
     max_relative_difference,
@@ -119,3 +122,23 @@ def test_data_loader_workers_do_not_change_the_result(single_train, tmp_path):
         )
     w0, w2 = (torch.load(tmp_path / f"w{k}.pt", weights_only=True) for k in (0, 2))
     assert max_relative_difference(w2, w0) == 0.0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--model", "lenet"],
+        ["--model", "lenet", "--activation-checkpointing", "--grad-accum", "2"],
+        ["--model", "gpt", "--gpt-layers", "3"],
+        ["--model", "gpt", "--activation-checkpointing", "--precision", "fp64"],
+    ],
+    ids=["lenet", "lenet-checkpointed-accum", "gpt-3-layers", "gpt-checkpointed-fp64"],
+)
+def test_model_states_and_activations_equal_the_formulas(single_train, extra, tmp_path):
+    """One process: nothing communicated; model states and the activations a step holds for backward
+    equal distref.cost's formulas exactly."""
+    record = single_train.main([*COST_RUN, *extra, "--out", str(tmp_path)])
+    assert record["communication"]["step"] == 2
+    assert record["communication"]["measured"] == [{}]
+    check_model_states_predicted(record)
+    check_activations_predicted(record)

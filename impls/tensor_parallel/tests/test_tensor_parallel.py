@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
+    check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
+    check_model_states_predicted,
     check_stopped_rank_is_named,
     launch,
     load_train_module,
@@ -254,6 +257,40 @@ def test_gpt_reaches_95_percent_token_accuracy(tmp_path):
     assert record["final_accuracy"] >= 0.95, record["evals"]
     assert record["time_to_target_s"] is not None
     assert record["steps"][-1]["loss"] < record["steps"][0]["loss"] / 10
+
+
+# Each option changes what a step sends: sequence parallelism (gathers and scatters instead of all-reduces,
+# the layer norms' partial gradients), loss parallelism (3 all-reduces instead of a padded gather of the
+# logits), bf16 (the linear layers' outputs in 2 bytes), the optimizer (how often it reduces a partial
+# gradient), --grad-accum, activation checkpointing (recomputed collectives), FSDP2 over --dp-shard.
+COST_CASES = {
+    "tp2": (2, []),
+    "tp4": (4, []),
+    "tp2-no-sequence-no-loss-parallel": (2, ["--no-sequence-parallel", "--no-loss-parallel"]),
+    "tp4-no-loss-parallel-bf16": (4, ["--no-loss-parallel", "--precision", "bf16"]),
+    "tp2-no-sequence-parallel-sgd-accum2": (
+        2,
+        ["--no-sequence-parallel", "--optimizer", "sgd", "--grad-accum", "2"],
+    ),
+    "tp2-checkpointed-sgd-weight-decay": (
+        2,
+        ["--activation-checkpointing", "--optimizer", "sgd", "--weight-decay", "0.1"],
+    ),
+    "dp2-tp2-accum2": (4, ["--dp-shard", "2", "--tp", "2", "--grad-accum", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", COST_CASES)
+def test_cost_equals_the_formulas(case, tmp_path):
+    """What one step sends, counted at the dispatcher, equals distref.cost.tensor_parallel.tensor_parallel
+    exactly on every rank, and each rank's model states (its slices) tensor_parallel_model_states."""
+    world, options = COST_CASES[case]
+    run_tp(world, ["--model", "gpt", *COST_RUN, *options, "--out", str(tmp_path)])
+    record = check_communication_predicted(tmp_path, world)
+    check_model_states_predicted(record)
+    sent = record["communication"]["measured"][0]
+    # sequence parallelism: each layer's all-reduce an all-gather and a reduce-scatter
+    assert ("reduce_scatter" in sent) == ("--no-sequence-parallel" not in options or "--dp-shard" in options)
 
 
 @pytest.mark.gpu

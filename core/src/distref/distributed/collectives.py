@@ -7,6 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distref.cost import Predicted
+from distref.training.traffic import TRAFFIC
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 
 
@@ -54,9 +57,29 @@ def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     return tensor
 
 
-def finish_record(record: Any, global_batch_size: int, state_bytes: dict | None, world_size: int) -> None:
-    """End the run's record with every rank's peak memory and model-state bytes, gathered to rank 0 (the
-    one that writes it; elsewhere the lists stay empty)."""
-    peaks = gather_to_rank0(record.training_peak_memory()[0], world_size)
-    states = gather_to_rank0(state_bytes, world_size)
-    record.finish(global_batch_size, [int(p) for p in peaks], states)
+def finish_record(
+    record: Any,
+    global_batch_size: int,
+    state_bytes: dict | None,
+    world_size: int,
+    predicted: Predicted,
+    measured_activation_bytes: int | None = None,
+) -> None:
+    """End the run's record with every rank's peak memory, model-state bytes and communication, measured
+    and `predicted` by the strategy's formulas (distref.cost), gathered to rank 0 (the one that writes it;
+    elsewhere the lists stay empty). An impl whose own saved-tensor hooks run inside the step (they hide it
+    from the counted step's) gives its `measured_activation_bytes`."""
+    counted = TRAFFIC.summary()
+    if measured_activation_bytes is not None:
+        counted["activation_bytes"] = measured_activation_bytes
+    mine = {
+        "peak": record.training_peak_memory()[0],
+        "states": state_bytes,
+        "counted": counted,
+        "predicted": predicted.as_dict(),
+    }
+    ranks = gather_to_rank0(mine, world_size)
+    if ranks:
+        record.set_communication([r["counted"] for r in ranks])
+    peaks, states = [int(r["peak"]) for r in ranks], [r["states"] for r in ranks]
+    record.finish(global_batch_size, peaks, states, [r["predicted"] for r in ranks])

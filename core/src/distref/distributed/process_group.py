@@ -20,6 +20,7 @@ import torch.distributed as dist
 from distref.config import RunConfig
 from distref.distributed.launch import torchrun_env
 from distref.training.device import pick_device
+from distref.training.traffic import TRAFFIC
 
 
 def restart_safe_store(timeout: datetime.timedelta) -> dist.Store:
@@ -64,6 +65,7 @@ def start_process_group(cfg: RunConfig) -> tuple[int, int, torch.device, str]:
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    TRAFFIC.begin_run()  # count the communication of set-up, then of one step (distref.training.traffic)
     return rank, world_size, device, backend
 
 

@@ -3,6 +3,12 @@ impl (`runs`, `ranks`), its faults (`faults`), the workloads it proves itself on
 parity metric."""
 
 from distref.parity_metric import FP32_TOLERANCE, FP64_TOLERANCE, max_relative_difference
+from distref.testing.cost import (
+    COST_RUN,
+    check_activations_predicted,
+    check_communication_predicted,
+    check_model_states_predicted,
+)
 from distref.testing.faults import (
     CURRENT_TEST,
     check_killed_rank_ends_the_job,
@@ -45,6 +51,7 @@ from distref.testing.workloads import (
 )
 
 __all__ = [
+    "COST_RUN",
     "CURRENT_TEST",
     "DATA_ROOT",
     "EXPORTED_IMPL",
@@ -59,8 +66,11 @@ __all__ = [
     "PRELOADED",
     "ROOT",
     "batchnorm_args",
+    "check_activations_predicted",
+    "check_communication_predicted",
     "check_killed_rank_ends_the_job",
     "check_killed_rank_resumes_exactly",
+    "check_model_states_predicted",
     "check_stopped_rank_is_named",
     "count_block_calls",
     "counting_block_calls",

@@ -17,6 +17,7 @@ from distref.config import RunConfig
 from distref.record import RunRecord
 from distref.training.monitor import progress_bar, tensorboard_writer
 from distref.training.steps import stop_if_diverged
+from distref.training.traffic import TRAFFIC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +72,30 @@ class StepLog:
         self.tensorboard = tensorboard_writer(cfg, enabled=show)
         self.losses: list[torch.Tensor] = []  # per-step losses not yet in the record
         self.times: list[float] = []
+        TRAFFIC.session_starts(start_step, cadence.n_steps)  # set-up's communication ends here
 
     def __enter__(self) -> StepLog:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
+        TRAFFIC.stop_counting()
         if exc is not None:  # the record says the run failed, and why; nothing written is lost
             self.record.fail(f"{type(exc).__name__}: {exc}")
+        else:  # this rank's communication; distref.distributed.finish_record gathers every rank's
+            self.record.set_communication([TRAFFIC.summary()])
         self.bar.close()
         self.tensorboard.close()
+
+    def step_starts(self, step: int) -> float:
+        """A step begins (its time is measured from what this returns); the session's second step has its
+        communication counted (distref.training.traffic)."""
+        TRAFFIC.step_starts(step)
+        return time.perf_counter()
 
     def step_done(self, loss: torch.Tensor, started: float) -> float:
         """After a step (and its device sync): its loss, as a tensor, and its time since `started`, which
         it returns."""
+        TRAFFIC.stop_counting()
         self.times.append(time.perf_counter() - started)
         self.losses.append(loss)
         self.bar.update(1)
@@ -93,7 +105,8 @@ class StepLog:
         """The pending losses into the record, `done` steps being done. `reduce` turns this rank's losses
         (one tensor, one entry per step) into the run's, e.g. their mean over the ranks."""
         pending = torch.stack(self.losses)
-        losses = (reduce(pending) if reduce else pending).tolist()
+        with TRAFFIC.counting("log"):  # (the first time: what logging adds to communication)
+            losses = (reduce(pending) if reduce else pending).tolist()
         first = done - len(losses)
         self.record.add_steps(first, losses, self.times)
         stop_if_diverged(losses, first, self.cfg, self.impl)  # nan/inf: exit 1
@@ -101,9 +114,16 @@ class StepLog:
         self.tensorboard.add_scalar("train/loss", losses[-1], done)
         self.losses, self.times = [], []
 
+    def eval_starts(self) -> float:
+        """An evaluation begins (its time is measured from what this returns); the first has its
+        communication counted."""
+        TRAFFIC.start("eval")
+        return time.perf_counter()
+
     def evaluated(self, done: int, totals: torch.Tensor, started: float) -> None:
         """An evaluation's [loss sum, correct, count] (`evaluate`, summed over ranks where they split the
         test set), begun at `started`, into the record, the bar and TensorBoard."""
+        TRAFFIC.stop_counting()
         loss_sum, correct, count = totals
         accuracy, loss = (correct / count).item(), (loss_sum / count).item()
         epoch = done / self.cadence.epoch_steps

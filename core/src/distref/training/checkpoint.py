@@ -27,6 +27,7 @@ from torch import nn
 from distref.config import RUN_DEFINING_OPTIONS, RunConfig, defining_value, is_first_rank
 from distref.training.device import at_least_fp32
 from distref.training.optim import lr_factor
+from distref.training.traffic import TRAFFIC
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
 # A checkpoint cannot continue a run that differs in any option that defines it. (A new --lr or
@@ -291,7 +292,9 @@ def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_state(cfg: RunConfig, done: int, n_steps: int, record: Any, **states: Any) -> dict[str, Any]:
     """A checkpoint: the impl's `states` (model, optimizer, ...), then what every checkpoint holds: the
-    steps done and planned, this process's RNG, the record so far and the options (a resume checks them)."""
+    steps done and planned, this process's RNG, the record so far and the options (a resume checks them).
+    The first checkpoint's communication is counted from here to the next step (sharded saves gather)."""
+    TRAFFIC.start("checkpoint")
     return {
         **states,
         "step": done,

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -77,17 +78,27 @@ class SavedActivations:
     """Bytes of activations autograd holds for backward (parameters excluded): `live` now, `peak` the most
     a step added on top of what was held when it started — what GPipe (M micro-batches in flight) and
     1F1B (at most p) differ in. Its pack/unpack go to torch.autograd.graph.saved_tensors_hooks around
-    each step; a saved tensor counts until autograd drops it. (Measured from the second step on, as the
-    throughput is: the first pays for warm-up.)"""
+    each step; a saved tensor counts until autograd drops it, and the same elements saved several times
+    (a ReLU's output is also the next Linear's input, flattened) count once, as memory holds them. (Measured
+    from the second step on, as the throughput is: the first pays for warm-up.)"""
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter]):
+    def __init__(self, parameters: Iterable[torch.nn.Parameter] = ()):
         self.parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
         self.live = self.at_step_start = self.peak = 0
+        self.holders: dict[tuple, int] = {}  # (storage, offset, bytes) → how many saved tensors hold it
 
     def pack(self, tensor: torch.Tensor):
-        if tensor.untyped_storage().data_ptr() in self.parameter_storages:
+        # Parameters (and FSDP's/ZeRO-3's gathered ones, parameters too, and DTensor ones) are model
+        # state, not activations; so is a view of one (weight.t()).
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # this rank's part
+        base = local
+        while base._base is not None:
+            base = base._base
+        if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
             return tensor
-        return _Saved(tensor, self)
+        if local.untyped_storage().data_ptr() in self.parameter_storages:
+            return tensor
+        return _Saved(tensor, local, self)
 
     @staticmethod
     def unpack(packed):
@@ -95,17 +106,25 @@ class SavedActivations:
 
 
 class _Saved:
-    """One saved activation: counted from when autograd saves it until it lets it go."""
+    """One saved activation: its elements counted from when autograd first saves them until the last
+    saved tensor holding them (a view of the same elements: same storage, offset and size) is let go."""
 
-    __slots__ = ("meter", "nbytes", "tensor")
+    __slots__ = ("key", "meter", "nbytes", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, meter: SavedActivations):
-        self.tensor, self.meter, self.nbytes = tensor, meter, tensor.numel() * tensor.element_size()
-        meter.live += self.nbytes
-        meter.peak = max(meter.peak, meter.live - meter.at_step_start)
+    def __init__(self, tensor: torch.Tensor, local: torch.Tensor, meter: SavedActivations):
+        self.tensor, self.meter, self.nbytes = tensor, meter, local.numel() * local.element_size()
+        self.key = (local.untyped_storage().data_ptr(), local.storage_offset(), self.nbytes)
+        meter.holders[self.key] = meter.holders.get(self.key, 0) + 1
+        if meter.holders[self.key] == 1:
+            meter.live += self.nbytes
+            meter.peak = max(meter.peak, meter.live - meter.at_step_start)
 
     def __del__(self):
-        self.meter.live -= self.nbytes
+        holders = self.meter.holders
+        holders[self.key] -= 1
+        if holders[self.key] == 0:
+            del holders[self.key]
+            self.meter.live -= self.nbytes
 
 
 def zero_model_state_bytes(engine, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -1,0 +1,52 @@
+"""Model-state bytes per rank: parameters, gradients, optimizer states (and master copies), by formula.
+
+ZeRO (Rajbhandari et al., arXiv 1910.02054, §3 and Figure 1) counts them for mixed-precision Adam as
+2Ψ (fp16 parameters) + 2Ψ (fp16 gradients) + KΨ (fp32 master parameters, momentum and variance, K = 12),
+and divides the terms ZeRO partitions by the data-parallel degree N_d:
+
+    stage 0 (DDP)  (2 + 2 + K)Ψ          stage 2   2Ψ + (2 + K)Ψ/N_d
+    stage 1        2Ψ + 2Ψ + KΨ/N_d       stage 3   (2 + 2 + K)Ψ/N_d
+
+`zero_paper` is that formula (the paper's example: Ψ = 7.5B, N_d = 64 → 120, 31.4, 16.6, 1.9 GB).
+`replicated` is what a rank of single, DDP or DataParallel holds in this project: fp32 (or fp64)
+parameters and gradients, and torch's optimizer state measured the same way (distref.training.measure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+K_MIXED_PRECISION_ADAM = 12  # fp32 master parameters, momentum, variance: 4 + 4 + 4 bytes per parameter
+
+
+def zero_paper(parameters: float, data_parallel: int, stage: int, k: int = K_MIXED_PRECISION_ADAM) -> float:
+    """Bytes of model states per GPU under ZeRO stage 0-3 with mixed-precision Adam (the paper's formula)."""
+    psi, n = parameters, data_parallel
+    return {
+        0: (2 + 2 + k) * psi,
+        1: 2 * psi + 2 * psi + k * psi / n,
+        2: 2 * psi + (2 + k) * psi / n,
+        3: (2 + 2 + k) * psi / n,
+    }[stage]
+
+
+def optimizer_state_bytes(parameter_bytes: Sequence[int], optimizer: str, step_bytes: int = 4) -> int:
+    """torch.optim's state for parameters of these sizes (torch 2.13): AdamW keeps exp_avg and exp_avg_sq,
+    each the parameter's size, and a step count per parameter tensor (a scalar of the default float dtype:
+    `step_bytes`); SGD with momentum (this project's, 0.9) one momentum buffer."""
+    if optimizer == "adamw":
+        return 2 * sum(parameter_bytes) + step_bytes * len(parameter_bytes)
+    if optimizer == "sgd":
+        return sum(parameter_bytes)
+    raise ValueError(f"no formula for optimizer {optimizer!r}")
+
+
+def replicated(parameter_bytes: Sequence[int], optimizer: str, step_bytes: int = 4) -> dict[str, int]:
+    """Model states of a rank holding every parameter (single, DDP): parameters, gradients of the same
+    size, and the optimizer's state."""
+    total = sum(parameter_bytes)
+    return {
+        "parameters": total,
+        "gradients": total,
+        "optimizer": optimizer_state_bytes(parameter_bytes, optimizer, step_bytes),
+    }

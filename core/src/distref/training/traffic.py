@@ -1,0 +1,215 @@
+"""Communication a rank issues, counted where it really happens: at the dispatcher, where every
+collective and point-to-point operation of torch.distributed passes, whoever calls it — DDP's C++ reducer,
+FSDP2, DTensor's functional collectives, torch.distributed.pipelining, DeepSpeed, an impl's own
+`dist.send` — on gloo, NCCL or the fake backend alike.
+
+Counted per kind (all_reduce, reduce_scatter, all_gather, broadcast, send, recv, all_to_all; reduce, gather,
+scatter and barrier where they occur): calls and bytes, the bytes being the sizes of the tensors the rank
+passes to the call, for all_gather and reduce_scatter the larger, unsharded side. `bus_bytes` beside them
+follows nccl-tests' convention (doc/PERFORMANCE.md, "bus bandwidth"): what one rank moves over its links,
+2(n-1)/n of the message for an all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, the message
+for broadcast, reduce, send and recv (n: the group's size).
+
+Counting is a TorchDispatchMode (torch.utils._python_dispatch), so every operation in the counted stretch
+passes through Python: a step counted runs slower. `Traffic` counts one steady-state step (the third
+of a session: the first two build the optimizer's state, pipelining's shapes, DDP's buckets) and, apart, set-up, the first loss
+logging, the first evaluation and the first checkpoint — a fixed cost of a few steps' time per run.
+torch's own CommDebugMode (torch.distributed.tensor.debug) counts calls of collectives but not their
+bytes, nor send/recv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distref.cost.counts import add
+from distref.training.measure import SavedActivations
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
+PHASES = ("setup", "step", "log", "eval", "checkpoint")
+
+# Dispatcher op name → (kind, how to find the bytes and the group in its arguments).
+_C10D = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "barrier": "barrier",
+    "monitored_barrier_": "barrier",
+}
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+# Which argument holds the message whose size is counted: for all_gather the output (c10d) or the input
+# times the group (functional), for reduce_scatter the input, else what the rank sends or receives.
+_C10D_MESSAGE_ARG = {"_allgather_base_": 0, "allgather_": 0, "allgather_coalesced_": 0}
+_C10D_MESSAGE_ARG |= {"allgather_into_tensor_coalesced_": 0, "_reduce_scatter_base_": 1}
+_C10D_MESSAGE_ARG |= {"reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1, "alltoall_": 1}
+_C10D_MESSAGE_ARG |= {"alltoall_base_": 1, "gather_": 1, "scatter_": 0}
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list of them."""
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def _group_size(group: Any) -> int:
+    if isinstance(group, str):  # a functional collective names its group
+        return torch._C._distributed_c10d._resolve_process_group(group).size()
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
+    return dist.ProcessGroup.unbox(group).size()  # the dispatcher's boxed ProcessGroup
+
+
+def describe(func: Any, args: tuple) -> tuple[str, int, int] | None:
+    """(kind, bytes, group size) of a dispatcher operation, or None when it is not communication."""
+    namespace, name = func.namespace, func._overloadpacket._qualified_op_name.split("::")[-1]
+    if namespace == "c10d" and name in _C10D:
+        kind = _C10D[name]
+        # (a barrier passes a one-byte tensor of its own: the caller passes none)
+        message = 0 if kind == "barrier" else tensor_bytes(args[_C10D_MESSAGE_ARG.get(name, 0)])
+        group = next(a for a in args[1:] if not torch.is_tensor(a) and not isinstance(a, (list, tuple)))
+        return kind, message, _group_size(group)
+    if namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in _FUNCTIONAL:
+        kind = _FUNCTIONAL[name]
+        message = tensor_bytes(args[0])
+        if kind == "all_gather":
+            message *= args[1]  # (input, group_size, group): the gathered output
+        return kind, message, _group_size(args[-1])
+    return None
+
+
+class CountCommunication(TorchDispatchMode):
+    """Within it, every communication operation this thread (and the autograd threads it starts) issues
+    is added to `counts`: {kind: {"calls", "bytes", "bus_bytes"}}."""
+
+    def __init__(self, counts: dict[str, dict] | None = None):
+        super().__init__()
+        self.counts = {} if counts is None else counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A tensor subclass (DTensor) first turns its operation into plain ones, collectives among them:
+        # those are the ones counted.
+        # Fake tensors (DTensor's shape propagation, under FakeTensorMode) communicate nothing: run them
+        # as they are (with this mode off), else no handler would take them.
+        if any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **(kwargs or {}))
+        if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
+            return NotImplemented
+        if isinstance(func, torch._ops.OpOverload) and (seen := describe(func, args)) is not None:
+            add(self.counts, *seen)
+        return func(*args, **(kwargs or {}))
+
+
+class Traffic:
+    """What this process communicates during a run, by phase: "setup" (from the process group to the
+    first step), "step" (one steady-state optimizer step: the session's third, or its last), and the
+    first "log", "eval" and "checkpoint". A phase is counted until another begins or counting stops;
+    `counted_step` is the step counted."""
+
+    def __init__(self) -> None:
+        self.begin_run(count_setup=False)
+
+    def begin_run(self, count_setup: bool = True) -> None:
+        """A run begins (its process group exists): forget an earlier run's counts in this process."""
+        self.phases: dict[str, dict[str, dict]] = {}
+        self.counted_step: int | None = None
+        self._step_to_count: int | None = None
+        self._mode: CountCommunication | None = None
+        self.activations: SavedActivations | None = None
+        self._hooks = None
+        self._in_run = count_setup
+        if count_setup:
+            self.start("setup")
+
+    def start(self, phase: str) -> None:
+        """Count from now on as `phase` (unless it was counted already), ending the phase counted so far."""
+        self.stop_counting()
+        if phase not in self.phases:
+            self._mode = CountCommunication(self.phases.setdefault(phase, {}))
+            self._mode.__enter__()
+
+    def stop_counting(self) -> None:
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def counting(self, phase: str) -> Iterator[None]:
+        """Count what runs inside as `phase` (the first time)."""
+        self.start(phase)
+        try:
+            yield
+        finally:
+            self.stop_counting()
+
+    def session_starts(self, start_step: int, n_steps: int) -> None:
+        """Set-up ends and the loop begins at `start_step`: the step to count is the session's third (its
+        first builds the optimizer's state and pipelining's shapes, its second DDP's rebuilt buckets, whose
+        layout rank 0 broadcasts), or its last if it has fewer."""
+        if not self._in_run:  # a run without a process group (single, dataparallel)
+            self.begin_run(count_setup=False)
+        self.stop_counting()
+        self._in_run = False  # (the next run in this process starts afresh)
+        self._step_to_count = min(start_step + 2, n_steps - 1)
+
+    def step_starts(self, step: int) -> None:
+        self.stop_counting()
+        if step == self._step_to_count:
+            self.counted_step = step
+            self.start("step")
+            # ... and the activations autograd holds for backward in that step (saved-tensor hooks: exact,
+            # the same on any device; an impl's own hooks inside the step take precedence).
+            self.activations = SavedActivations()
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                self.activations.pack, self.activations.unpack
+            )
+            self._hooks.__enter__()
+
+    def summary(self) -> dict[str, Any]:
+        """This rank's counts: {"step": the step counted or None, "phases": {phase: {kind: counts}},
+        "activation_bytes": the most bytes of activations the counted step held for backward}."""
+        held = self.activations.peak if self.activations is not None else None
+        return {"step": self.counted_step, "phases": self.phases, "activation_bytes": held}
+
+
+TRAFFIC = Traffic()  # this process's: the process group, the loop and checkpoints count into it
