@@ -54,7 +54,7 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, fail, positive_int, under_torchrun
 from distref.cost import Predicted
-from distref.cost.activations import pipeline_rank
+from distref.cost.activations import one_stage_order, pipeline_rank
 from distref.cost.memory import replicated
 from distref.cost.pipeline import pipeline as pipeline_communication
 from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
@@ -463,11 +463,29 @@ def record_the_bubble(
             record.set_bubble_fraction(1 - sum(busy) / len(busy))
 
 
+def schedule_order(
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti, mesh: PipelineMesh, options: PipelineOptions
+) -> list[tuple[str, int]]:
+    """This rank's work in a step, in order, as (kind, stage): "F" forward, "B" full backward, "I" and
+    "W" a backward split into its input- and weight-gradient passes. The multi-stage schedules hold it
+    (`pipeline_order`; DualPipeV's overlapped forward-backward pairs as their parts); GPipe and 1F1B
+    follow their rule (distref.cost.activations.one_stage_order)."""
+    if isinstance(schedule, PipelineScheduleSingle):
+        stage = mesh.my_stages[0]
+        return one_stage_order(options.schedule, options.microbatches, mesh.n_stages, stage)
+    order = []
+    for action in schedule.pipeline_order[mesh.pp_rank]:
+        for part in (action.sub_actions or (action,)) if action is not None else ():
+            order.append((part.computation_type.value, part.stage_index))
+    return order
+
+
 def pipeline_cost(
     model: BlockModel,
     cfg: RunConfig,
     info: DatasetInfo,
     mesh: PipelineMesh,
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti,
     examples: list,
     bounds: list[tuple[int, int]],
     micro_batch: int,
@@ -475,7 +493,7 @@ def pipeline_cost(
     """What this rank costs by formula (distref.cost): each boundary of its stages with a stage on another
     rank crossed twice per micro-batch (the activation forward, its gradient back: `examples`' outputs'
     bytes), and with --dp its parameters all-reduced and buffers broadcast over the pipelines; the model
-    states of its stages; the activations of its stage times the micro-batches in flight (GPipe, 1F1B)."""
+    states of its stages; the activations its stages hold at once in the schedule's order."""
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
     communication = pipeline_communication(
         [out.numel() * out.element_size() for _, out in examples[:-1]],
@@ -486,13 +504,18 @@ def pipeline_cost(
         buffer_bytes=[b.numel() * b.element_size() for b in model.buffers()],
         dp=cfg.strategy.dp,
     )
-    stage, *more = sorted(mesh.my_stages)
-    activations = None
-    if not more:  # one stage per rank
-        shape = (cfg.model, info, cfg.gpt_layers, bounds, stage, micro_batch, cfg.strategy.microbatches)
-        activations = pipeline_rank(
-            *shape, cfg.strategy.schedule, cfg.precision, cfg.activation_checkpointing
-        )
+    # The activations held at once: each stage's per micro-batch, forwards adding and backwards freeing
+    # them in the schedule's order of work on this rank
+    activations = pipeline_rank(
+        cfg.model,
+        info,
+        cfg.gpt_layers,
+        bounds,
+        schedule_order(schedule, mesh, cfg.strategy),
+        micro_batch,
+        cfg.precision,
+        cfg.activation_checkpointing,
+    )
     return Predicted(
         communication=communication,
         model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
@@ -624,9 +647,8 @@ def main(argv: list[str] | None = None) -> dict:
     record_the_bubble(record, stages, in_schedule, saved_activations, world_size, is_main)
     # --- PIPELINE: every rank's memory and model states (its stages'), beside the formulas', and what its
     # counted step communicated and held for backward beside the formulas' (pipeline_cost), to rank 0
-    predicted = pipeline_cost(
-        model, cfg, info, mesh, examples, part_bounds(cuts, core_blocks), len(micro_batch)
-    )
+    bounds = part_bounds(cuts, core_blocks)
+    predicted = pipeline_cost(model, cfg, info, mesh, schedule, examples, bounds, len(micro_batch))
     held = saved_activations.peak  # (the stages' own saved-tensor hooks hide the step's from traffic's)
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted, held)
     if is_main:

@@ -291,8 +291,8 @@ def plot_bars(runs: list[Run], out: Path, what: str) -> str:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: bars reach the top
         name = "peak_memory.png"
     else:  # pipeline bubble: measured, and the formula's beside it where the schedule has one
-        fig, ax = _figure("pipeline bubble (idle share of each rank's time in the schedule)", runs)
         shown = [r for r in runs if r.record.get("bubble_fraction") is not None]
+        fig, ax = _figure("pipeline bubble (idle share of each rank's time in the schedule)", shown)
         x = np.arange(len(shown))
         measured = [r.record["bubble_fraction"] for r in shown]
         formula = [formula_bubble(r.record) for r in shown]
@@ -302,18 +302,22 @@ def plot_bars(runs: list[Run], out: Path, what: str) -> str:
             if f is None:
                 ax.text(x[i] + 0.2, 0.01, "no formula", ha="center", va="bottom", rotation=90, fontsize=8)
         ax.set_xticks(
-            x, [f"{r.label}\n{r.record['strategy'].get('schedule', '')}" for r in shown], fontsize=8
+            x,
+            [f"{r.label}\n{(r.record.get('strategy') or {}).get('schedule', '')}" for r in shown],
+            fontsize=8,
         )
         ax.set_xlim(-0.8, len(shown) - 0.2)
-        ax.set_ylim(0, 1)
+        ax.set_ylim(0, 1.2)  # (room for the legend above 1)
+        ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
         ax.set_ylabel("fraction of time in the schedule idle")
-        ax.legend()
+        ax.legend(loc="upper left", ncol=2)
         name = "pipeline_bubble.png"
     return _save(fig, out / name)
 
 
 # The kinds of communication, in the order tables and plots list them (distref.training.traffic's).
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
+HATCHES = (None, "//", "..", "xx")  # a pipeline timeline's bars, by the stage's place on its rank
 # A pipeline timeline's work, by torch's letters (pipelining.schedules._ComputationType): name, colour.
 ACTIONS = {
     "F": ("forward", "tab:blue"),
@@ -385,6 +389,7 @@ def plot_communication(runs: list[Run], out: Path) -> str | None:
     ax.set_xticks(
         x, [f"{n}\n(rank {rank})" for n, (rank, _, _) in zip(names, busiest, strict=True)], fontsize=8
     )
+    ax.set_ylim(0, 1.1 * max([*bottom, *(f for _, f in formula), 1 / scale]))  # the formula's marks show
     ax.set_ylabel(f"{unit} per optimizer step")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, out / "communication_per_step.png")
@@ -416,7 +421,7 @@ def plot_timeline(run: Run, out: Path, name: str) -> str:
         for action, stage, micro, t0, t1 in t["work"]:
             used.add(action)
             left, width = start + 1000 * t0, 1000 * (t1 - t0)
-            hatch = "//" if stages.index(stage) % 2 else None  # a rank's second stage, hatched
+            hatch = HATCHES[stages.index(stage) % len(HATCHES)]  # a rank's 1st stage plain, then these
             colour = ACTIONS.get(action, (action, "tab:purple"))[1]
             ax.broken_barh(
                 [(left, width)], (row - 0.4, 0.8), facecolor=colour, edgecolor="white", hatch=hatch
@@ -434,10 +439,14 @@ def plot_timeline(run: Run, out: Path, name: str) -> str:
     ax.set_xlabel(f"ms from the first rank's start of the step's schedule ({clock})")
     handles = [mpatches.Patch(color=ACTIONS[a][1], label=ACTIONS[a][0]) for a in ACTIONS if a in used]
     handles.append(mpatches.Patch(color="0.88", label="idle (waiting, sends, receives, the schedule)"))
-    if several:
-        handles.append(
-            mpatches.Patch(facecolor="white", edgecolor="gray", hatch="//", label="a rank's 2nd stage")
-        )
+    most = max(len({w[1] for w in t["work"]}) for _, t in rows)
+    for i, (hatch, nth) in enumerate(zip(HATCHES[1:], ("2nd", "3rd", "4th"), strict=True), start=2):
+        if i <= most:
+            handles.append(
+                mpatches.Patch(
+                    facecolor="white", edgecolor="gray", hatch=hatch, label=f"a rank's {nth} stage"
+                )
+            )
     # Between the title and the rows: the rows fill the plot.
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3, fontsize=8, frameon=False)
     ax.set_title(title, pad=12 + 14 * ((len(handles) + 2) // 3))

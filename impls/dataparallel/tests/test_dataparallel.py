@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from distref.testing import (
+    COST_RUN,
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
     batchnorm_args,
+    check_activations_predicted,
+    check_model_states_predicted,
     expected_time_to_target,
     load_train_module,
     max_relative_difference,
@@ -26,6 +29,16 @@ TRAIN = str(train_path("dataparallel"))
 @pytest.fixture(scope="module")
 def dataparallel_train():
     return load_train_module("dataparallel")
+
+
+@pytest.mark.parametrize("extra", [["--model", "lenet", "--grad-accum", "2"], ["--model", "resnet18"]])
+def test_model_states_and_activations_equal_the_formulas(dataparallel_train, extra, tmp_path):
+    """On one device (no GPUs here) DataParallel runs the module as it is: nothing communicated, a full
+    replica of the model states and one micro-batch's activations, equal to distref.cost's formulas."""
+    record = dataparallel_train.main([*COST_RUN, *extra, "--out", str(tmp_path)])
+    assert record["communication"]["measured"] == record["communication"]["predicted"] == [{}]
+    check_model_states_predicted(record)
+    check_activations_predicted(record)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])

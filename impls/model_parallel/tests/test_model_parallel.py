@@ -12,6 +12,7 @@ from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
     batchnorm_args,
+    check_activations_predicted,
     check_communication_predicted,
     check_killed_rank_ends_the_job,
     check_killed_rank_resumes_exactly,
@@ -260,6 +261,8 @@ def test_cost_equals_the_formulas(parts, extra, tmp_path):
     run_mp([*COST_RUN, *extra, *nproc, "--out", str(tmp_path)])
     record = check_communication_predicted(tmp_path, ranks)
     check_model_states_predicted(record)
+    if "--precision" not in extra:  # one micro-batch at a time through this rank's blocks
+        check_activations_predicted(record)
     if ranks > 1:
         assert all(
             m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"]

@@ -37,6 +37,7 @@ bf16, some in fp32) have no formula yet: the functions return None for them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from fractions import Fraction
 
 from distref.models import GPTConfig
@@ -151,12 +152,19 @@ def model_blocks(
     return None
 
 
-def in_flight(schedule: str, micro_batches: int, stages: int, stage: int) -> int | None:
-    """Micro-batches whose activations a stage holds at once: GPipe all M; 1F1B p − s (at most M)."""
+def one_stage_order(
+    schedule: str, micro_batches: int, stages: int, stage: int
+) -> list[tuple[str, int]] | None:
+    """The order of a one-stage-per-rank schedule's work on stage `stage` of `stages`, M micro-batches:
+    GPipe every forward, then every backward (GPipe arXiv 1811.06965); 1F1B p − s forwards (at most M),
+    then one backward and one forward in turn, then the last backwards (PipeDream-Flush, Megatron-LM
+    arXiv 2104.04473 §2.2). The multi-stage schedules give their own order (`pipeline_order`)."""
+    m = micro_batches
     if schedule == "gpipe":
-        return micro_batches
+        return [("F", stage)] * m + [("B", stage)] * m
     if schedule == "1f1b":
-        return min(micro_batches, stages - stage)
+        warmup = min(m, stages - stage)
+        return [("F", stage)] * warmup + [("B", stage), ("F", stage)] * (m - warmup) + [("B", stage)] * warmup
     return None
 
 
@@ -212,6 +220,21 @@ def predicted_for_run(
     return stage_bytes(*found, micro_batch) if found else None
 
 
+def held_in_order(actions: Sequence[tuple[str, int]], per_microbatch: dict[int, int]) -> int | None:
+    """The most activations a rank holds running its schedule's `actions` in order, each (kind, stage): a
+    forward ("F") adds its stage's `per_microbatch` bytes, a full backward ("B") lets them go; the peak
+    comes at the end of a forward. A backward split in two (the zero-bubble schedules: "I", the input
+    gradient, then later "W", the weight gradient) frees part of them at each: no formula (None) — the
+    measured figures lie between the order's peak with frees at "W" and with frees at "I"."""
+    if any(kind not in ("F", "B") for kind, _ in actions):
+        return None
+    held = peak = 0
+    for kind, stage in actions:
+        held += per_microbatch[stage] if kind == "F" else -per_microbatch[stage]
+        peak = max(peak, held)
+    return peak
+
+
 def part_bytes(
     model: str,
     info,
@@ -238,16 +261,23 @@ def pipeline_rank(
     info,
     gpt_layers: int,
     bounds: list[tuple[int, int]],
-    stage: int,
+    actions: Sequence[tuple[str, int]],
     micro_batch: int,
-    micro_batches: int,
-    schedule: str,
     precision: str,
     checkpointed: bool,
 ) -> int | None:
-    """The pipeline rank holding stage `stage` (one stage per rank): one micro-batch's bytes on it times
-    the micro-batches in flight."""
-    flight = in_flight(schedule, micro_batches, len(bounds), stage)
-    if flight is None:
+    """A pipeline rank running `actions` (its schedule's order: (kind, stage)) on its stages, the blocks
+    bounds[stage] of the model's each: the most micro-batches' activations it holds at once
+    (`held_in_order`), and once each stage's saved buffers."""
+    found = formula_for(model, info, gpt_layers, precision, checkpointed)
+    if found is None:
         return None
-    return part_bytes(model, info, gpt_layers, bounds, stage, micro_batch, flight, precision, checkpointed)
+    blocks, loss = found
+    per_microbatch, once = {}, 0
+    for stage in sorted({stage for _, stage in actions}):
+        first, last = bounds[stage]
+        mine, its_loss = blocks[first:last], loss if last == len(blocks) else None
+        per_microbatch[stage] = stage_bytes(mine, its_loss, micro_batch) - sum(b.once for b in mine)
+        once += sum(b.once for b in mine)
+    held = held_in_order(actions, per_microbatch)
+    return None if held is None else held + once

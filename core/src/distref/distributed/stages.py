@@ -23,8 +23,9 @@ class ScheduleTimeline:
 
     Every step is recorded and the latest kept, except that a step run under a dispatch mode is kept only
     while there is no other: distref.training.traffic counts one step that way (every operation through
-    Python: slower), so on a run of 3 or more steps the timeline is of the last step not counted — steady
-    state (shapes, optimizer state, allocator warmed), at full speed.
+    Python: slower), so the timeline is of the last step not counted (of 3 steps, the second) — steady
+    state (shapes, optimizer state, allocator warmed), at full speed; a run of one step has only the
+    counted one, kept and marked so ("counted").
 
     Times: on the CPU the host's clock. On CUDA, events on the current stream (as IntervalTimer): the
     host's clock would read kernel launches, not the work. `started_at` (the host's wall clock when the
