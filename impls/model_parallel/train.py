@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.zero_grad(set_to_none=True)
             for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
                 synchronize(part_device)
-            links.trained_s += log.step_done(step_loss, started)  # --- MODEL PARALLEL: its time, for busy
+            step_s = log.step_done(step_loss, started)
+            if step != TRAFFIC.counted_step:  # --- MODEL PARALLEL: its time, for busy (as links.waiting,
+                links.trained_s += step_s  # which leaves out the counted step: slower)
             prof.step()
 
             due = cadence.after(step)

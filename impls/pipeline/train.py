@@ -599,6 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
             # stages, sending activations and their gradients to the neighbouring stages.
             x, y = next(batches)
             if step == start_step + 1:  # the bubble and activations: measured from the second step
+                # (the bubble's timers leave out the step distref.training.traffic counts: slower)
                 for timer in (in_schedule, *(stage.busy for stage in stages)):
                     timer.reset()
                 saved_activations.peak = 0

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -38,8 +38,10 @@ def held_bytes(tensor: torch.Tensor) -> int:
 class IntervalTimer:
     """Adds up stretches of a device's work or waiting. On the CPU, the host's clock. On CUDA, events on
     the current stream: the host only enqueues kernels, and NCCL's wait() blocks the stream, not the
-    host, so a host clock would read ~0 for a wait that idles the GPU. `seconds()` reads the events
-    (after they complete), so call it once the work is done, e.g. at the end of the run."""
+    host, so a host clock would read ~0 for a wait that idles the GPU. A stretch run under a dispatch mode
+    (distref.training.traffic's counted step: every operation through Python, slower) is not added.
+    `seconds()` reads the events (after they complete), so call it once the work is done, e.g. at the
+    end of the run."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -48,6 +50,9 @@ class IntervalTimer:
 
     @contextlib.contextmanager
     def measure(self):
+        if is_in_torch_dispatch_mode():  # distref.training.traffic's counted step: slower, not timed
+            yield
+            return
         if self.device.type != "cuda":
             started = time.perf_counter()
             try:
@@ -90,7 +95,7 @@ class SavedActivations:
     def pack(self, tensor: torch.Tensor):
         # Parameters (and FSDP's/ZeRO-3's gathered ones, parameters too, and DTensor ones) are model
         # state, not activations; so is a view of one (weight.t()).
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # this rank's part
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's part
         base = local
         while base._base is not None:
             base = base._base
