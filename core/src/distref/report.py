@@ -72,12 +72,13 @@ COST_NOTE = (
     'moves the most bytes (the step waits for it; "ranks differ" where another rank\'s calls or bytes '
     "are not the same: a pipeline's or model_parallel's first and last stage); *exact* means the same "
     "calls and bytes of every kind on every rank as the formula's, else the differences are listed, "
-    "measured − formula. Model states are measured after the first step (parameters + gradients + "
+    "measured − formula. Model states are measured once they all exist (parameters + gradients + "
     "optimizer state a rank holds), activations are the most bytes autograd saved for backward in one "
     "step (saved-tensor hooks), both beside distref.cost's formulas and, like peak memory, the most of any "
     "rank; peak is max RSS on CPU (set-up and evaluation included), max allocated on GPU. *no formula*: "
     "the impl predicts none; — : the record has no such number (an older record, or not measured by "
-    "this impl)."
+    "this impl). *Counting's cost*: the counted step's time beyond a median step's, as a share of "
+    "the run's training time: counting is on in every run because one step is counted per session."
 )
 
 PIPELINE_NOTE = (
@@ -604,7 +605,19 @@ def cost_row(run: Run) -> list[str]:
         *communication_cells(rec),
         *memory_cells(rec),
         _bytes(max(peaks, default=None)),
+        counting_cost(rec),
     ]
+
+
+def counting_cost(record: dict[str, Any]) -> str:
+    """What counting the step's communication added to the run: the counted step's time beyond a
+    median step's, as a share of the training time (one step counted per session, so it shrinks as
+    runs grow)."""
+    overhead = (record.get("communication") or {}).get("counting_overhead_s")
+    train = record.get("train_time_s")
+    if overhead is None or not train:
+        return "—"
+    return f"{max(overhead, 0.0) / train:.1%} of training ({overhead:+.3f} s)"
 
 
 def pipeline_row(run: Run) -> list[str]:
@@ -761,6 +774,7 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 "activations",
                 "activations vs formula",
                 "peak memory",
+                "counting's cost",
             ],
             cost,
         ),
