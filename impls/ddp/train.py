@@ -148,13 +148,10 @@ def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: in
             compressed_element_ratio=0.5 if options.comm_hook in ("fp16", "bf16") else 1.0,
             buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
         )
-    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)  # a rank's share
     return Predicted(
         communication=communication,
         model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
-        activations=predicted_for_run(
-            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, cfg.activation_checkpointing
-        ),
+        activations=predicted_for_run(cfg, info, world_size),
     )
 
 

@@ -269,14 +269,10 @@ def zero_cost(
         model_states = zero_model_states(
             numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes
         )
-    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)  # a rank's share
-    checkpointed = cfg.activation_checkpointing
     return Predicted(
         communication=communication,
         model_states=model_states,
-        activations=predicted_for_run(
-            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
-        ),
+        activations=predicted_for_run(cfg, info, world_size),
     )
 
 

@@ -165,14 +165,10 @@ def fsdp_cost(
         cfg.optimizer,
         torch.get_default_dtype().itemsize,
     )
-    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)  # a rank's share
-    checkpointed = cfg.activation_checkpointing
     return Predicted(
         communication=communication,
         model_states=model_states,
-        activations=predicted_for_run(
-            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
-        ),
+        activations=predicted_for_run(cfg, info, world_size),
     )
 
 

@@ -120,13 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
     # Model states (a full replica) and activations by formula (distref.cost), beside the measured ones;
     # one process communicates nothing
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    micro_batch, checkpointed = cfg.global_batch_size // cfg.grad_accum, cfg.activation_checkpointing
     predicted = Predicted(
         communication={},
         model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
-        activations=predicted_for_run(
-            cfg.model, info, cfg.gpt_layers, micro_batch, cfg.precision, checkpointed
-        ),
+        activations=predicted_for_run(cfg, info),
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

@@ -40,6 +40,7 @@ import dataclasses
 from collections.abc import Sequence
 from fractions import Fraction
 
+from distref.config import RunConfig
 from distref.models import GPTConfig
 
 INDEX_BYTES = 8  # int64 indices, token ids and targets
@@ -212,11 +213,11 @@ def formula_for(model: str, info, gpt_layers: int, precision: str, checkpointed:
     return model_blocks(model, info, gpt_layers, ELEMENT_BYTES[precision], checkpointed)
 
 
-def predicted_for_run(
-    model: str, info, gpt_layers: int, micro_batch: int, precision: str, checkpointed: bool
-) -> int | None:
-    """A rank running the whole model (single, DDP, FSDP, ZeRO) on `micro_batch` samples at a time."""
-    found = formula_for(model, info, gpt_layers, precision, checkpointed)
+def predicted_for_run(cfg: RunConfig, info, replicas: int = 1) -> int | None:
+    """A rank running the whole model (single, DDP, FSDP, ZeRO) on its share of each micro-batch: the
+    global batch split over `replicas` ranks and `--grad-accum` micro-steps."""
+    found = formula_for(cfg.model, info, cfg.gpt_layers, cfg.precision, cfg.activation_checkpointing)
+    micro_batch = cfg.global_batch_size // (replicas * cfg.grad_accum)
     return stage_bytes(*found, micro_batch) if found else None
 
 

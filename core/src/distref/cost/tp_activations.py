@@ -1,0 +1,111 @@
+"""Activation bytes a tensor-parallel rank holds for backward (impls/tensor_parallel: gpt split by
+torch.distributed.tensor.parallel, `apply_tp`), by formula, exactly as distref.training.measure's
+SavedActivations counts them (a DTensor by its local part; the same storage, offset and size once).
+
+Shapes: micro-batch b sequences of s tokens, hidden h, a heads, L blocks, vocabulary V, element size e
+(4 for fp32, 8 for fp64; token ids and targets int64: 8), T ranks in the tensor-parallel group, this one
+rank r. A split is torch.chunk's (DTensor's Shard): ⌈n/T⌉ per rank, the last ranks fewer, so ranks differ
+(V = 11, T = 2: 6 and 5 columns of the logits): n_r below. With sequence parallelism the residual stream
+and the layer norms hold s_r = chunk(s) tokens of every sequence; without it s_r = s. Heads and the MLP's
+4h units split evenly (the impl requires T to divide a and 4h).
+
+Per micro-batch, without activation checkpointing:
+
+    embed   8·b·s (token ids) + 8·s (positions): each rank looks its rows up from whole (replicated) ids
+    block   e·(2·b·s_r·h + 4·b·s_r)  ln1's and ln2's inputs (the residual stream) with mean and rstd:
+                                     split along the sequence with sequence parallelism, whole without
+            e·2·b·s·h                their outputs, whole on every rank: q/k/v's and the MLP's first
+                                     linear's input (with sequence parallelism the all-gathered tensor,
+                                     which DTensor keeps for backward)
+            e·(4·b·s·h + b·a·s)/T    SDPA's q, k, v, output (the output projection's input, a view of it)
+                                     and log-sum-exp, for this rank's a/T heads
+            e·8·b·s·h/T              the MLP's hidden (4h/T units) before and after GELU
+            e·12·h²/T                this rank's slices of the six Linear weights, which each Linear saves
+                                     (as weight.t(), a DTensor view of the parameter): SavedActivations
+                                     excludes parameters and views of them, but a DTensor parameter's
+                                     local part (`to_local()`) is neither an nn.Parameter nor a view of
+                                     one, so these count. Per forward (not per sample): each micro-batch's
+                                     forward saves them again, its backward lets them go.
+    head    e·(b·s_r·h + 2·b·s_r)   its layer norm's input, mean and rstd (split along the sequence, or not)
+            e·b·s·h                 the output layer's input (the layer norm's output, all-gathered with
+                                     sequence parallelism)
+            e·h·V_r                  the output layer's weight slice (as above)
+    loss    e·b·s·V_r (loss parallel: log-softmax's output, this rank's vocabulary slice) or e·b·s·V
+            (the logits all-gathered, whole), 8·b·s for the targets, e for nll_loss's total weight
+
+With activation checkpointing (torch.utils.checkpoint, non-reentrant: what a checkpointed block saves goes
+to checkpoint's own hooks, not the measurement's) each block keeps its input alone: 8·b·s for the
+embedding's (the ids), e·b·s_r·h for each of the L blocks and the head, and the loss as above.
+
+Per block, in elements of b·s·h (dropping the b·s statistics and the weight slices), that is
+4 + 12/T without sequence parallelism and 2/T + 2 + 12/T with it. Megatron-LM's Table 2 (Korthikanti et
+al., arXiv 2205.05198; `distref.cost.activations.megatron_layer_activation_bytes`) counts bytes of 16-bit
+activations: sbh·(10 + 24/T) + 5as²b/T, i.e. 5 + 12/T elements plus the score matrices. The 12/T are
+the same (q, k 2, v 1, the output projection's input 1, the MLP's 4 + 4 hidden). Of Megatron's 5 whole
+ones, 4 are here too (the two layer norms' inputs and outputs) and 1 is the two 1-byte dropout masks,
+which distref's gpt has not; its 5as²b/T (scores, softmax, softmax dropout) SDPA does not keep (it
+recomputes them from the log-sum-exp). With sequence parallelism Megatron has 34/T = 2·17/T: the layer
+norms' inputs (2), dropout masks (1) and the gathered inputs (2) all split; here the layer norms' inputs
+split (2/T) but the all-gathered layer-norm outputs are kept whole (2): Megatron keeps the split ones and
+all-gathers them again in backward (§4.2.2), DTensor keeps what it gathered. So sequence parallelism saves
+less here than in Megatron: 2·(1 − 1/T)·b·s·h·e per block rather than 5·(1 − 1/T)·sbh·2.
+
+Measured on the CPU (gloo): the SDPA kernel there saves exactly q, k, v, output and log-sum-exp; CUDA's
+flash or memory-efficient kernels may save more (random-number state): not checked here. Mixed precision
+(bf16 autocast) and the 2-D mesh (`--dp-shard`, FSDP2 over the groups: its gathered parameters) have no
+formula yet.
+"""
+
+from __future__ import annotations
+
+INDEX_BYTES = 8  # int64 token ids, positions and targets
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """How many of `n` rows part `index` of `parts` holds under torch.chunk (DTensor's Shard): ⌈n/parts⌉
+    each, the last parts fewer (possibly none)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def tensor_parallel_activation_bytes(
+    *,
+    micro_batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    layers: int,
+    vocab: int,
+    tp: int,
+    tp_rank: int,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    element_bytes: int = 4,
+    checkpointed: bool = False,
+) -> int:
+    """The most bytes of activations rank `tp_rank` of a tensor-parallel group of `tp` holds for backward
+    in one forward-backward of `micro_batch` sequences (the module docstring's formula, term by term).
+    With gradient accumulation each micro-batch's backward frees what its forward saved: this is the
+    peak of the step too."""
+    b, s, h, a, L, V, t, e = micro_batch, seq, hidden, heads, layers, vocab, tp, element_bytes
+    if not 0 <= tp_rank < t:
+        raise ValueError(f"tp_rank {tp_rank} is not a rank of a group of {t}")
+    if a % t or (4 * h) % t or h % a:
+        raise ValueError(
+            f"tp {t} must divide the {a} heads and the MLP's {4 * h} units, heads the {h} hidden"
+        )
+    s_r = chunk(s, t, tp_rank) if sequence_parallel else s  # tokens of the residual stream held
+    v_r = chunk(vocab, t, tp_rank)  # this rank's columns of the logits
+    loss = e * b * s * (v_r if loss_parallel else V) + INDEX_BYTES * b * s + e
+    if checkpointed:
+        return INDEX_BYTES * b * s + (L + 1) * e * b * s_r * h + loss
+    embed = INDEX_BYTES * b * s + INDEX_BYTES * s
+    block = (
+        e * (2 * b * s_r * h + 4 * b * s_r)  # layer norms' inputs, mean and rstd
+        + e * 2 * b * s * h  # their outputs, whole (gathered with sequence parallelism)
+        + e * (4 * b * s * h + b * a * s) // t  # SDPA: q, k, v, output, log-sum-exp of a/T heads
+        + e * 8 * b * s * h // t  # the MLP's hidden before and after GELU
+        + e * 12 * h * h // t  # the six Linear weights' slices (DTensor views: counted)
+    )
+    head = e * (b * s_r * h + 2 * b * s_r) + e * b * s * h + e * h * v_r
+    return embed + L * block + head + loss
