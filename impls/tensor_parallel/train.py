@@ -45,6 +45,7 @@ from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_int, under_torchrun
 from distref.cost import Predicted
 from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
+from distref.cost.tp_activations import tensor_parallel_activation_bytes
 from distref.data import DatasetInfo, TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_mean,
@@ -215,7 +216,7 @@ def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
     """What a rank of the (dp_shard, tp) mesh costs by formula (distref.cost.tensor_parallel): per block
     two all-reduces forward and two backward of b·s·h (sequence parallel: all-gathers and reduce-scatters
     instead), the embeddings' and the loss's, FSDP2's over the dp_shard groups; this rank's slices of
-    every parameter, gradient and optimizer state."""
+    every parameter, gradient and optimizer state; the activations it holds (its heads, its MLP units)."""
     gpt = GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=cfg.gpt_layers)
     dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
     shape = dict(layers=gpt.n_layer, hidden=gpt.n_embd, vocabulary=gpt.vocab_size, sequence=gpt.block_size)
@@ -240,7 +241,23 @@ def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
         element_bytes=element,
         step_bytes=torch.get_default_dtype().itemsize,
     )
-    return Predicted(communication=communication, model_states=model_states)
+    activations = None  # (bf16 autocast and FSDP2's gathered slices on the 2-D mesh: no formula yet)
+    if cfg.precision in ("fp32", "fp64") and dp == 1:
+        activations = tensor_parallel_activation_bytes(
+            micro_batch=cfg.global_batch_size // cfg.grad_accum,
+            seq=gpt.block_size,
+            hidden=gpt.n_embd,
+            heads=gpt.n_head,
+            layers=gpt.n_layer,
+            vocab=gpt.vocab_size,
+            tp=tp,
+            tp_rank=mesh["tp"].get_local_rank(),
+            sequence_parallel=cfg.strategy.sequence_parallel,
+            loss_parallel=cfg.strategy.loss_parallel,
+            element_bytes=element,
+            checkpointed=cfg.activation_checkpointing,
+        )
+    return Predicted(communication=communication, model_states=model_states, activations=activations)
 
 
 # --- end TP strategy ---

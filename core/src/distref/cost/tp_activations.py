@@ -20,16 +20,9 @@ Per micro-batch, without activation checkpointing:
             e·(4·b·s·h + b·a·s)/T    SDPA's q, k, v, output (the output projection's input, a view of it)
                                      and log-sum-exp, for this rank's a/T heads
             e·8·b·s·h/T              the MLP's hidden (4h/T units) before and after GELU
-            e·12·h²/T                this rank's slices of the six Linear weights, which each Linear saves
-                                     (as weight.t(), a DTensor view of the parameter): SavedActivations
-                                     excludes parameters and views of them, but a DTensor parameter's
-                                     local part (`to_local()`) is neither an nn.Parameter nor a view of
-                                     one, so these count. Per forward (not per sample): each micro-batch's
-                                     forward saves them again, its backward lets them go.
     head    e·(b·s_r·h + 2·b·s_r)   its layer norm's input, mean and rstd (split along the sequence, or not)
             e·b·s·h                 the output layer's input (the layer norm's output, all-gathered with
                                      sequence parallelism)
-            e·h·V_r                  the output layer's weight slice (as above)
     loss    e·b·s·V_r (loss parallel: log-softmax's output, this rank's vocabulary slice) or e·b·s·V
             (the logits all-gathered, whole), 8·b·s for the targets, e for nll_loss's total weight
 
@@ -37,7 +30,11 @@ With activation checkpointing (torch.utils.checkpoint, non-reentrant: what a che
 to checkpoint's own hooks, not the measurement's) each block keeps its input alone: 8·b·s for the
 embedding's (the ids), e·b·s_r·h for each of the L blocks and the head, and the loss as above.
 
-Per block, in elements of b·s·h (dropping the b·s statistics and the weight slices), that is
+(A Linear also saves its weight, as weight.t(): of a DTensor parameter, a DTensor view of it whose local
+part is a plain view of the parameter's — model state, which the measurement leaves out, as it does any
+parameter or view of one.)
+
+Per block, in elements of b·s·h (dropping the b·s statistics), that is
 4 + 12/T without sequence parallelism and 2/T + 2 + 12/T with it. Megatron-LM's Table 2 (Korthikanti et
 al., arXiv 2205.05198; `distref.cost.activations.megatron_layer_activation_bytes`) counts bytes of 16-bit
 activations: sbh·(10 + 24/T) + 5as²b/T, i.e. 5 + 12/T elements plus the score matrices. The 12/T are
@@ -105,7 +102,6 @@ def tensor_parallel_activation_bytes(
         + e * 2 * b * s * h  # their outputs, whole (gathered with sequence parallelism)
         + e * (4 * b * s * h + b * a * s) // t  # SDPA: q, k, v, output, log-sum-exp of a/T heads
         + e * 8 * b * s * h // t  # the MLP's hidden before and after GELU
-        + e * 12 * h * h // t  # the six Linear weights' slices (DTensor views: counted)
     )
-    head = e * (b * s_r * h + 2 * b * s_r) + e * b * s * h + e * h * v_r
+    head = e * (b * s_r * h + 2 * b * s_r) + e * b * s * h
     return embed + L * block + head + loss

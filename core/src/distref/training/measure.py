@@ -94,12 +94,10 @@ class SavedActivations:
 
     def pack(self, tensor: torch.Tensor):
         # Parameters (and FSDP's/ZeRO-3's gathered ones, parameters too, and DTensor ones) are model
-        # state, not activations; so is a view of one (weight.t()).
+        # state, not activations; so is a view of one (a Linear saves weight.t(); of a DTensor parameter,
+        # a DTensor view whose local part is a plain view of the parameter's local part).
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's part
-        base = local
-        while base._base is not None:
-            base = base._base
-        if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter):
+        if _of_a_parameter(tensor) or _of_a_parameter(local):
             return tensor
         if local.untyped_storage().data_ptr() in self.parameter_storages:
             return tensor
@@ -108,6 +106,13 @@ class SavedActivations:
     @staticmethod
     def unpack(packed):
         return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+def _of_a_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one."""
+    while tensor._base is not None:
+        tensor = tensor._base
+    return isinstance(tensor, nn.Parameter)
 
 
 class _Saved:

@@ -1,0 +1,561 @@
+"""One rank of a large job, run in this process: what it holds and what it communicates, beside the cost
+model's formulas — the cost model checked at the world sizes users run (64, 512 ranks), not only at 2-4.
+
+torch's fake process group (backend "fake", torch.testing._internal.distributed.fake_pg) plays one rank of
+a world of any size: every collective and send/recv returns at once and moves nothing, so the impl's own
+parallelization code (its `apply_*`, mesh and stage functions, loaded from impls/<impl>/train.py) runs
+unchanged for that rank, and one step's collectives are counted at the dispatcher as in a real run
+(distref.training.traffic). The model is gpt (distref.models) of any shape (`GPTShape`, `PRESETS`: up to a
+7B-like decoder); its tensors hold no data where the impl's code allows it (`TENSORS`):
+
+- fake tensors (FakeTensorMode: shapes, dtypes and a device, no storage, no arithmetic) for FSDP2 / HSDP
+  and tensor parallelism (1-D and 2-D with FSDP2): a 7B-like model's step at 512 ranks takes seconds.
+  Meta parameters would not do: FSDP2 refuses to run forward on them (FSDPParamGroup._validate_no_meta_params)
+  and, on a "meta" mesh, finds no device handle.
+- meta tensors for the pipeline: fake parameters cannot be moved by Module.to (torch.utils.swap_tensors:
+  "Cannot swap t1 because it has weakref associated with it"), which the impl's cut_into_stages calls; on
+  meta the move to the CPU it makes after its example forward is skipped (the whole model stays on meta).
+  The fake backend is registered for "meta" too, for the schedule's batched send/recv.
+- real tensors, so small shapes only, for DDP (its constructor reads the parameters' data:
+  _verify_params_across_processes: "The tensor has a non-zero number of elements, but its data is not
+  allocated yet") and DeepSpeed ZeRO (it flattens the parameters' storage; its step reads the gradient
+  norm with .item()).
+
+What the fake backend cannot play, and what is done instead:
+- torch 2.13's pipeline schedules start with a vote among the stages (_warmup_p2p: each says whether its
+  shapes are static, the product travels to the last stage and back); the fake recv delivers nothing, so
+  the vote comes out "dynamic" and the shape exchange that follows unpickles nothing. Every stage here has
+  its shapes given (the impl's stage examples), as in a real run, where the vote comes out "static": that
+  outcome is set instead (its 2·(p−1) one-integer messages happen in the first step only, never counted).
+- DeepSpeed ZeRO-3 checks that every rank traced the same modules by broadcasting rank 0's list
+  (assert_ints_same_as_other_ranks): on any other rank the broadcast leaves its own placeholder, and the
+  check fails. ZeRO-3 runs here as rank 0 only (its partitions are the same size on every rank).
+- impls/pipeline balances its cut by trying every one of C(blocks − 1, stages − 1) cuts: beyond
+  `MAX_CUTS_TRIED` give `--partition`.
+- impls/tensor_parallel's check_options checks --tp against the default gpt's 4 heads; here the
+  simulated shape's heads are checked instead.
+
+`simulate` runs `steps` optimizer steps (forward, backward and step, with --grad-accum micro-steps) and
+counts the last, as distref.training.traffic counts a run's third: DDP rebuilds its buckets after the
+first, ZeRO-3 records its trace in the first. It measures the rank's model states (distref.training.measure:
+DTensors' local parts) and returns both beside what distref.cost predicts for the same shape and options,
+with the arguments each impl's train.py passes. The planner (`python -m distref.plan --simulate`) runs a
+preset through the chosen impl's sharding the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distref.config import RunConfig
+from distref.cost.counts import Counts, merge, same
+from distref.cost.data_parallel import ddp as ddp_communication
+from distref.cost.memory import replicated
+from distref.cost.pipeline import pipeline as pipeline_communication
+from distref.cost.sharded import fsdp as fsdp_communication
+from distref.cost.sharded import fsdp_model_states
+from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
+from distref.cost.zero import zero_communication, zero_model_states
+from distref.impl_folders import load_train_module
+from distref.models import BlockModel, GPTConfig, gpt
+from distref.training.device import autocast, param_dtype
+from distref.training.measure import model_state_bytes, zero_model_state_bytes
+from distref.training.optim import make_optimizer
+from distref.training.steps import loss_fn
+from distref.training.traffic import CountCommunication, add, describe
+
+IMPLS_DIR = Path(__file__).resolve().parents[3] / "impls"  # core/src/distref/ → the repository's impls/
+
+# What each impl's code runs on with the fake backend (the module docstring says why).
+TENSORS = {
+    "ddp": "real",
+    "fsdp": "fake",
+    "tensor_parallel": "fake",
+    "pipeline": "meta",
+    "deepspeed_zero": "real",
+}
+# Impls that run no collectives of their own in a step, or none on the fake backend: single and
+# dataparallel (one process), model_parallel (its point-to-point handover sends each tensor's shape first,
+# distref.distributed.send_tensor: a fake recv delivers none, so the receiver cannot build its buffer).
+NOT_SIMULATED = ("single", "dataparallel", "model_parallel")
+OPTIONS_CLASS = {
+    "ddp": "DDPOptions",
+    "fsdp": "FSDPOptions",
+    "tensor_parallel": "TPOptions",
+    "pipeline": "PipelineOptions",
+    "deepspeed_zero": "ZeroOptions",
+}
+MAX_CUTS_TRIED = 200_000  # impls/pipeline's balanced cut tries every cut: C(31, 15) ≈ 3·10⁸ never ends
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTShape:
+    """The shape of a gpt (distref.models): blocks, hidden width, heads, vocabulary, sequence length."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+
+    def config(self) -> GPTConfig:
+        return GPTConfig(self.vocab, self.seq, n_layer=self.layers, n_head=self.heads, n_embd=self.hidden)
+
+    def parameters(self) -> int:
+        """Parameter count: the embeddings, 12h² + 10h per block (q, k, v, proj, a 4h MLP, two layer
+        norms; k has no bias), the head's layer norm and output layer."""
+        h = self.hidden
+        return (self.vocab + self.seq) * h + self.layers * (12 * h * h + 10 * h) + 2 * h + self.vocab * h
+
+
+PRESETS = {
+    "gpt-tiny": GPTShape(layers=2, hidden=64, heads=4, vocab=11, seq=16),  # what --model gpt trains
+    "gpt-1.3b": GPTShape(layers=24, hidden=2048, heads=16, vocab=50257, seq=2048),  # GPT-3 XL-like, 1.42B
+    "gpt-7b": GPTShape(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096),  # Llama-7B's sizes, 6.74B
+}
+
+
+@dataclasses.dataclass
+class Simulation:
+    """One rank's step, measured and predicted: communication ({kind: {"calls", "bytes", "bus_bytes"}})
+    and model-state bytes ({"parameters", "gradients", "optimizer"}); `facts`: the mesh, the stages, the
+    parameters in all."""
+
+    impl: str
+    world_size: int
+    rank: int
+    shape: GPTShape
+    tensors: str
+    communication: Counts
+    communication_predicted: Counts | None
+    model_state_bytes: dict[str, int]
+    model_state_bytes_predicted: dict[str, int] | None
+    facts: dict[str, Any]
+    seconds: float = 0.0
+
+    def differences(self) -> list[str]:
+        """What differs between measurement and formula (calls and bytes exactly, bus bytes to rounding)."""
+        found = []
+        if not same(self.communication, self.communication_predicted):
+            found.append(f"communication: measured {self.communication}, predicted {self.communication_predicted}")
+        if self.model_state_bytes != self.model_state_bytes_predicted:
+            found.append(
+                f"model states: measured {self.model_state_bytes}, predicted {self.model_state_bytes_predicted}"
+            )
+        return found
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class CountSimulated(CountCommunication):
+    """CountCommunication that also counts collectives on fake tensors: here the whole step runs on them
+    (the real runs' counter leaves them out: there they are only DTensor's shape propagation)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A tensor subclass (DTensor, FSDP2's parameters) first turns its operation into plain ones: those
+        # come back here and are counted.
+        if any(t not in (torch.Tensor, torch.nn.Parameter) and not issubclass(t, FakeTensor) for t in types):
+            return NotImplemented
+        if isinstance(func, torch._ops.OpOverload) and (seen := describe(func, args)) is not None:
+            add(self.counts, *seen)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process as rank `rank` of `world_size`, on torch's fake backend (for CPU and meta tensors)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # (registers the "fake" backend)
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():  # (DeepSpeed's runner destroys it itself)
+            dist.destroy_process_group()
+
+
+def tensor_context(tensors: str) -> contextlib.AbstractContextManager:
+    """Where the model and batches are built: fake tensors, the meta device, or real CPU tensors."""
+    return {"fake": FakeTensorMode, "meta": lambda: torch.device("meta"), "real": contextlib.nullcontext}[
+        tensors
+    ]()
+
+
+def device_of(tensors: str) -> torch.device:
+    return torch.device("meta" if tensors == "meta" else "cpu")
+
+
+def strategy_options(module, impl: str, argv: Sequence[str]):
+    """The impl's own options (its `add_options`, its defaults) from `argv`, as its options dataclass."""
+    parser = argparse.ArgumentParser(prog=f"{impl} (simulated)", exit_on_error=False)
+    module.add_options(parser)
+    return getattr(module, OPTIONS_CLASS[impl])(**vars(parser.parse_args(list(argv))))
+
+
+def data_parallel_degree(impl: str, module, options, world_size: int) -> int:
+    """How many ranks (or groups of ranks) each take their own slice of the global batch."""
+    if impl == "tensor_parallel":
+        return module.mesh_shape(options, world_size)[0]
+    if impl == "pipeline":
+        return options.dp * options.microbatches  # each pipeline's batch is cut into micro-batches
+    return world_size
+
+
+def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, rank: int) -> str | None:
+    """What the impl's own check_options says (tensor_parallel: the simulated shape's heads instead of the
+    default gpt's), and what the fake backend cannot run; None if the simulation can run."""
+    if not 0 <= rank < world_size:
+        return f"rank {rank} is not one of the {world_size} ranks"
+    options = cfg.strategy
+    if impl == "tensor_parallel":
+        dp, tp = module.mesh_shape(options, world_size)
+        if dp * tp != world_size:
+            return f"--dp-shard {dp} × --tp {tp} = {dp * tp} ranks, but the world has {world_size}"
+        if shape.heads % tp:
+            return f"--tp {tp} must divide the {shape.heads} attention heads"
+        return None
+    if impl == "pipeline":
+        stages = world_size // options.dp * module.stages_per_rank(options)
+        cuts = math.comb(shape.layers + 1, stages - 1) if stages <= shape.layers + 2 else 0
+        if options.partition is None and cuts > MAX_CUTS_TRIED:
+            return (
+                f"impls/pipeline would try all {cuts:,} cuts of {shape.layers + 2} blocks into {stages} "
+                "stages to balance them: give --partition"
+            )
+        if cfg.precision != "fp32":
+            return "the pipeline runs on meta tensors here, which have no autocast: fp32 only"
+    if impl == "deepspeed_zero" and options.zero_stage == 3 and rank != 0:
+        return "DeepSpeed ZeRO-3 runs on the fake backend as rank 0 only (its trace check broadcasts rank 0's)"
+    return module.check_options(cfg, world_size)
+
+
+def simulate(
+    impl: str,
+    world_size: int,
+    shape: GPTShape,
+    *,
+    rank: int = 0,
+    options: Sequence[str] = (),
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    weight_decay: float = 0.0,
+    steps: int | None = None,
+    tensors: str | None = None,
+    impls_dir: Path = IMPLS_DIR,
+) -> Simulation:
+    """Rank `rank` of `world_size` running `impl` (its own command-line `options`, e.g. ["--hsdp", "8"]) on
+    gpt of `shape`: `micro_batch` sequences per rank (tensor_parallel: per data-parallel group; pipeline:
+    per micro-batch) and micro-step, `steps` optimizer steps (default: 3 for DDP and DeepSpeed, 2 for the
+    others), the last counted. `tensors` ("fake", "meta", "real"; default TENSORS[impl]) chooses what the
+    model is built of. Raises ValueError where the impl or the fake backend cannot run it."""
+    if impl not in TENSORS:
+        why = " (it runs no collectives on the fake backend: distref.simulate)" if impl in NOT_SIMULATED else ""
+        raise ValueError(f"no simulation for impl {impl!r}{why}; one of: {', '.join(TENSORS)}")
+    module = load_train_module(Path(impls_dir) / impl / "train.py")
+    own = strategy_options(module, impl, options)
+    degree = data_parallel_degree(impl, module, own, world_size)
+    cfg = RunConfig(
+        model="gpt",
+        gpt_layers=shape.layers,
+        dataset="synthetic",
+        steps=steps,
+        global_batch_size=micro_batch * degree * (1 if impl == "pipeline" else grad_accum),
+        optimizer=optimizer,
+        weight_decay=weight_decay,
+        precision=precision,
+        grad_accum=grad_accum,
+        device="cpu",
+        strategy=own,
+    )
+    if problem := check(impl, module, cfg, shape, world_size, rank):
+        raise ValueError(f"{impl} at {world_size} ranks: {problem}")
+    tensors = tensors or TENSORS[impl]
+    steps = steps or (3 if impl in ("ddp", "deepspeed_zero") else 2)
+    started = time.perf_counter()
+    with fake_world(world_size, rank):
+        result = RUNNERS[impl](module, cfg, shape, world_size, rank, tensors, steps)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# ---- Each impl's step, run with its own functions, and the formula's arguments as its train.py passes them
+
+
+def batch(shape: GPTShape, sequences: int) -> torch.Tensor:
+    """Token ids (zeros) for `sequences` sequences, on the current tensor context's device: input and
+    target alike (their values do not change what is communicated)."""
+    return torch.zeros(sequences, shape.seq, dtype=torch.long)
+
+
+def run_steps(
+    steps: int, step: Callable[[], None], optimizer: torch.optim.Optimizer, params: Callable
+) -> tuple[Counts, dict[str, int]]:
+    """`steps` optimizer steps of `step` (forward and backward of every micro-step), the last counted
+    (optimizer step included); the model states measured after it, before zero_grad."""
+    counts: Counts = {}
+    for index in range(steps):
+        counting = index == steps - 1
+        with CountSimulated(counts) if counting else contextlib.nullcontext():
+            step()
+            optimizer.step()
+        if counting:
+            states = model_state_bytes(params(), optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    return counts, states
+
+
+def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+    device = device_of(tensors)
+    options = cfg.strategy
+    with tensor_context(tensors):
+        model = module.apply_ddp(gpt(shape.config()), options, device, rank)
+        optimizer = make_optimizer(cfg, model.parameters())
+        x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
+
+        def step() -> None:
+            for micro_step in range(cfg.grad_accum):
+                last = micro_step == cfg.grad_accum - 1
+                with contextlib.nullcontext() if last else model.no_sync(), autocast(cfg, device):
+                    loss = loss_fn(model(x), x)
+                (loss / cfg.grad_accum).backward()
+
+        counts, states = run_steps(steps, step, optimizer, model.parameters)
+    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    predicted = None
+    if options.comm_hook != "powersgd":
+        predicted = ddp_communication(
+            parameter_bytes,
+            world_size,
+            bucket_cap_bytes=int(options.bucket_cap_mb * 2**20),
+            compressed_element_ratio=0.5 if options.comm_hook in ("fp16", "bf16") else 1.0,
+            buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
+        )
+    step_bytes = torch.get_default_dtype().itemsize
+    return Simulation(
+        "ddp", world_size, rank, shape, tensors, counts, predicted, states,
+        replicated(parameter_bytes, cfg.optimizer, step_bytes),
+        {"parameters": shape.parameters()},
+    )  # fmt: skip
+
+
+def sharded_step(model, cfg: RunConfig, x: torch.Tensor, device, loss_context=contextlib.nullcontext):
+    """One optimizer step's micro-steps on an FSDP2-sharded model: gradients reduced at the last only."""
+
+    def step() -> None:
+        for micro_step in range(cfg.grad_accum):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
+            with loss_context():
+                with autocast(cfg, device):
+                    loss = loss_fn(model(x), x)
+                (loss / cfg.grad_accum).backward()
+
+    return step
+
+
+def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+    device = device_of(tensors)
+    options = cfg.strategy
+    mesh = module.make_mesh(world_size, options.hsdp, device)  # (before fake mode: the mesh is real)
+    with tensor_context(tensors):
+        model = module.apply_fsdp(gpt(shape.config()), mesh, cfg, device)
+        optimizer = make_optimizer(cfg, model.parameters())
+        x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
+        counts, states = run_steps(steps, sharded_step(model, cfg, x, device), optimizer, model.parameters)
+    # as impls/fsdp/train.py's fsdp_cost: every block a unit, the last not resharded after forward
+    units = [[p.shape for p in block.parameters()] for block in model.children()]
+    shards, dtype, policy = mesh["shard"], param_dtype(cfg), module.mixed_precision(cfg)
+    predicted = fsdp_communication(
+        units,
+        [options.reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
+        shards.size(),
+        replicas=options.hsdp,
+        gather_element_bytes=(policy.param_dtype or dtype).itemsize,
+        reduce_element_bytes=(policy.reduce_dtype or dtype).itemsize,
+        grad_accum=cfg.grad_accum,
+    )
+    shapes, step_bytes = [s for unit in units for s in unit], torch.get_default_dtype().itemsize
+    predicted_states = fsdp_model_states(
+        shapes, shards.size(), shards.get_local_rank(), dtype.itemsize, cfg.optimizer, step_bytes
+    )
+    mesh_facts = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    return Simulation(
+        "fsdp", world_size, rank, shape, tensors, counts, predicted, states, predicted_states,
+        {"parameters": shape.parameters(), "mesh": mesh_facts},
+    )  # fmt: skip
+
+
+def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+    device = device_of(tensors)
+    options = cfg.strategy
+    dp, tp = module.mesh_shape(options, world_size)
+    mesh = module.make_mesh(dp, tp, device)
+    loss_context = module.loss_parallel if options.loss_parallel else contextlib.nullcontext
+    with tensor_context(tensors):
+        model = module.parallelize(gpt(shape.config()), mesh, options)
+        optimizer = make_optimizer(cfg, model.parameters())
+        x = batch(shape, cfg.global_batch_size // (dp * cfg.grad_accum))
+        step = sharded_step(model, cfg, x, device, loss_context)
+        counts, states = run_steps(steps, step, optimizer, model.parameters)
+    # as impls/tensor_parallel/train.py's tp_cost, for this shape
+    dims = dict(layers=shape.layers, hidden=shape.hidden, vocabulary=shape.vocab, sequence=shape.seq)
+    dims.update(tp=tp, dp_shard=dp, tp_rank=mesh["tp"].get_local_rank())
+    element = param_dtype(cfg).itemsize
+    predicted = tensor_parallel(
+        **dims,
+        micro_batch=cfg.global_batch_size // (dp * cfg.grad_accum),
+        sequence_parallel=options.sequence_parallel,
+        loss_parallel=options.loss_parallel,
+        optimizer=cfg.optimizer,
+        grad_accum=cfg.grad_accum,
+        element_bytes=element,
+        compute_element_bytes=2 if cfg.precision == "bf16" else element,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    predicted_states = tensor_parallel_model_states(
+        **dims,
+        dp_rank=mesh["dp_shard"].get_local_rank(),
+        optimizer=cfg.optimizer,
+        weight_decay=cfg.weight_decay,
+        element_bytes=element,
+        step_bytes=torch.get_default_dtype().itemsize,
+    )
+    return Simulation(
+        "tensor_parallel", world_size, rank, shape, tensors, counts, predicted, states, predicted_states,
+        {"parameters": shape.parameters(), "mesh": {"dp_shard": dp, "tp": tp}},
+    )  # fmt: skip
+
+
+def vote_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
+    """The outcome of torch.distributed.pipelining's warm-up vote when every stage's shapes are given (as
+    the impl gives them): static. Stands in for the vote, which the fake backend cannot carry."""
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+    device = device_of(tensors)
+    options = cfg.strategy
+    mesh = module.pipeline_mesh(device, options, world_size)
+    cuts = module.choose_cut_points("gpt", options.partition, mesh.n_stages, shape.layers)[0]
+    micro_batch = cfg.global_batch_size // (options.dp * options.microbatches)
+    with tensor_context(tensors):
+        model = gpt(shape.config())
+        if tensors == "meta":  # cut_into_stages moves the whole model back to the CPU after its example
+            model.to = lambda *args, **kwargs: model  # forward: meta tensors stay where they are
+        x = batch(shape, micro_batch * options.microbatches)  # the pipeline's batch
+        stage_modules, examples, _ = module.cut_into_stages(model, cuts, cfg, mesh, x[:micro_batch], device, False)
+        held = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
+        _, schedule = module.build_schedule(stage_modules, examples, mesh, options, device)
+        schedule._warmup_p2p = vote_static
+        optimizer = make_optimizer(cfg, held.parameters())
+        first, last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
+
+        def step() -> None:  # as impls/pipeline/train.py's run_schedule, then the --dp averaging
+            schedule.step(*((x,) if first else ()), **({"target": x, "losses": []} if last else {}))
+            if options.dp > 1:
+                module.all_reduce_gradients(held.parameters(), mesh.dp_group, options.dp)
+                module.broadcast_buffers(held, mesh.dp_group)
+
+        counts, states = run_steps(steps, step, optimizer, held.parameters)
+    # as impls/pipeline/train.py's pipeline_cost
+    parameter_bytes = [p.numel() * p.element_size() for p in held.parameters()]
+    predicted = pipeline_communication(
+        [out.numel() * out.element_size() for _, out in examples[:-1]],
+        mesh.my_stages,
+        mesh.owner,
+        options.microbatches,
+        parameter_bytes=parameter_bytes,
+        buffer_bytes=[b.numel() * b.element_size() for b in held.buffers()],
+        dp=options.dp,
+    )
+    step_bytes = torch.get_default_dtype().itemsize
+    facts = {"parameters": shape.parameters(), "mesh": {"dp": options.dp, "pp": mesh.p}, "cuts": cuts}
+    facts["stages"] = sorted(mesh.my_stages)
+    return Simulation(
+        "pipeline", world_size, rank, shape, tensors, counts, predicted, states,
+        replicated(parameter_bytes, cfg.optimizer, step_bytes), facts,
+    )  # fmt: skip
+
+
+def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+    if tensors != "real":
+        raise ValueError("DeepSpeed runs on real tensors only (it flattens their storage)")
+    device = device_of(tensors)
+    stage = cfg.strategy.zero_stage
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # read by DeepSpeed's checks (one device per process)
+    deepspeed = module.init_deepspeed(cfg, device, "fake")
+    try:
+        model = gpt(shape.config())
+        optimizer = make_optimizer(cfg, model.parameters())
+        config = module.deepspeed_config(cfg, world_size)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
+        counts: Counts = {}
+        for index in range(steps):
+            counting = index == steps - 1
+            with CountSimulated(counts) if counting else contextlib.nullcontext():
+                for micro_step in range(cfg.grad_accum):
+                    engine.backward(loss_fn(engine(x), x))
+                    if counting and micro_step == cfg.grad_accum - 1:  # before step() frees the gradients
+                        states = zero_model_state_bytes(engine, optimizer)
+                    engine.step()
+    finally:
+        deepspeed.comm.destroy_process_group()  # and DeepSpeed's own references to its groups
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK")
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
+    # as impls/deepspeed_zero/train.py's zero_cost
+    numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]  # stage 3: whole sizes
+    zero = config["zero_optimization"]
+    predicted = predicted_states = None
+    if cfg.precision == "fp32" and not (cfg.strategy.offload_optimizer or cfg.strategy.offload_params):
+        predicted = zero_communication(
+            numels,
+            world_size,
+            stage,
+            bucket_elements=zero["reduce_bucket_size"],
+            prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
+            grad_accum=cfg.grad_accum,
+        )
+        step_bytes = torch.get_default_dtype().itemsize
+        predicted_states = zero_model_states(numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes)
+    return Simulation(
+        "deepspeed_zero", world_size, rank, shape, tensors, counts, predicted, states, predicted_states,
+        {"parameters": shape.parameters(), "zero_stage": stage},
+    )  # fmt: skip
+
+
+RUNNERS = {
+    "ddp": run_ddp,
+    "fsdp": run_fsdp,
+    "tensor_parallel": run_tensor_parallel,
+    "pipeline": run_pipeline,
+    "deepspeed_zero": run_deepspeed_zero,
+}
+
+
+def total(simulations: Sequence[Simulation]) -> Counts:
+    """The counts of several ranks' steps added up (e.g. every stage rank of one pipeline)."""
+    return merge(*(s.communication for s in simulations))
