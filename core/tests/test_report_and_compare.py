@@ -477,7 +477,7 @@ def test_cost_table_says_exact_or_the_difference_and_older_records_still_render(
             tmp_path / "single",
             "single",
             1,
-            communication=communication([{}], None),
+            communication=communication([{}], [{}]),
             model_state_bytes=[STATES],
             model_state_bytes_predicted=[STATES],
             activation_bytes={"measured": [1263940], "predicted": [1263940]},
@@ -486,7 +486,8 @@ def test_cost_table_says_exact_or_the_difference_and_older_records_still_render(
             tmp_path / "ddp",
             "ddp",
             2,
-            communication=communication(ddp, ddp),
+            communication={**communication(ddp, ddp), "counting_overhead_s": 0.05},
+            train_time_s=2.0,  # counting the step cost 0.05 s of it
             model_state_bytes=[STATES] * 2,
             model_state_bytes_predicted=[STATES] * 2,
             activation_bytes={"measured": [631972] * 2, "predicted": [631972] * 2},
@@ -525,17 +526,18 @@ def test_cost_table_says_exact_or_the_difference_and_older_records_still_render(
             "1",
             "none",
             "0 B",
-            "no formula",
+            "exact",
             "341.3 KiB",
             "exact",
             "1.2 MiB",
             "exact",
             "500.0 MiB",
+            "—",  # (no training time in this record)
         )
     ]
     assert row_of(cost, "ddp ×2") == [
         *("ddp ×2", "2", "all_reduce: 1 call, 85.3 KiB (every rank)", "85.3 KiB", "exact"),
-        *("341.3 KiB", "exact", "617.2 KiB", "exact", "500.0 MiB"),
+        *("341.3 KiB", "exact", "617.2 KiB", "exact", "500.0 MiB", "2.5% of training (+0.050 s)"),
     ]
     assert row_of(cost, "fsdp ×2") == [
         *("fsdp ×2", "2", "reduce_scatter: 4 calls, 85.3 KiB; all_gather: 7 calls, 168.6 KiB (every rank)"),
@@ -544,7 +546,7 @@ def test_cost_table_says_exact_or_the_difference_and_older_records_still_render(
         "rank 1 all_gather +1 calls, +1.0 KiB",
         "170.6 KiB",
         "**differs** (measured − formula): rank 0 gradients +12 B",
-        *("617.2 KiB", "no formula", "500.0 MiB"),
+        *("617.2 KiB", "no formula", "500.0 MiB", "—"),
     ]
     assert row_of(cost, "model_parallel ×2")[2:5] == [
         "send: 2 calls, 30.1 KiB; recv: 1 call, 30.0 KiB (rank 0; ranks differ)",
@@ -552,7 +554,7 @@ def test_cost_table_says_exact_or_the_difference_and_older_records_still_render(
         "no formula",
     ]
     assert row_of(cost, "deepspeed_zero ×2")[2:] == [
-        *("—", "—", "—", "341.3 KiB", "—", "—", "—", "500.0 MiB")
+        *("—", "—", "—", "341.3 KiB", "—", "—", "—", "500.0 MiB", "—")
     ]
     assert "*exact* means the same calls and bytes of every kind on every rank" in cost  # COST_NOTE
     assert "](communication_per_step.png)" in cost

@@ -198,11 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     # counter sees none) and the replicas run in threads of their own (saved-tensor hooks are per
     # thread): no formula then; on one device it is single.
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    one_device = len(gpu_ids) < 2
+    one_device = len(gpu_ids) < 2  # --- DataParallel
     predicted = Predicted(
-        communication={} if one_device else None,
+        communication={} if one_device else None,  # --- DataParallel
         model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
-        activations=predicted_for_run(cfg, info) if one_device else None,
+        activations=predicted_for_run(cfg, info) if one_device else None,  # --- DataParallel
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

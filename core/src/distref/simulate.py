@@ -6,41 +6,51 @@ a world of any size: every collective and send/recv returns at once and moves no
 parallelization code (its `apply_*`, mesh and stage functions, loaded from impls/<impl>/train.py) runs
 unchanged for that rank, and one step's collectives are counted at the dispatcher as in a real run
 (distref.training.traffic). The model is gpt (distref.models) of any shape (`GPTShape`, `PRESETS`: up to a
-7B-like decoder); its tensors hold no data where the impl's code allows it (`TENSORS`):
+7B-like decoder). Its tensors hold no data where the impl's code allows it (`TENSORS`), which decides what
+runs at real sizes:
 
-- fake tensors (FakeTensorMode: shapes, dtypes and a device, no storage, no arithmetic) for FSDP2 / HSDP
-  and tensor parallelism (1-D and 2-D with FSDP2): a 7B-like model's step at 512 ranks takes seconds.
-  Meta parameters would not do: FSDP2 refuses to run forward on them (FSDPParamGroup._validate_no_meta_params)
-  and, on a "meta" mesh, finds no device handle.
-- meta tensors for the pipeline: fake parameters cannot be moved by Module.to (torch.utils.swap_tensors:
-  "Cannot swap t1 because it has weakref associated with it"), which the impl's cut_into_stages calls; on
-  meta the move to the CPU it makes after its example forward is skipped (the whole model stays on meta).
-  The fake backend is registered for "meta" too, for the schedule's batched send/recv.
-- real tensors, so small shapes only, for DDP (its constructor reads the parameters' data:
-  _verify_params_across_processes: "The tensor has a non-zero number of elements, but its data is not
-  allocated yet") and DeepSpeed ZeRO (it flattens the parameters' storage; its step reads the gradient
-  norm with .item()).
+- "fake" (FSDP2 / HSDP; tensor parallelism, 1-D and 2-D with FSDP2): the model is built and parallelized
+  on the meta device, then materialized as fake tensors (FakeTensorMode: shapes, dtypes and a device, no
+  storage, no arithmetic) with Module.to_empty, FSDP2's own path from meta; the steps run on fake tensors.
+  A 7B-like model's step at 512 ranks takes seconds. Meta tensors alone would not do: FSDP2 refuses to
+  run forward on meta parameters (FSDPParamGroup._validate_no_meta_params), and FSDP2 and DTensor on a
+  "meta" device mesh find no device handle ("'NoneType' object has no attribute 'current_device'").
+- "meta" (the pipeline): fake parameters cannot be moved by Module.to (torch.utils.swap_tensors: "Cannot
+  swap t1 because it has weakref associated with it"), which the impl's cut_into_stages calls; meta ones
+  can, and the move back to the CPU after its example forward is skipped. The fake backend is registered
+  for "meta" too, for the schedule's batched send/recv.
+- "real", so small shapes only (DDP, DeepSpeed ZeRO): DDP's constructor reads the parameters' data
+  (_verify_params_across_processes: "The tensor has a non-zero number of elements, but its data is not
+  allocated yet"); DeepSpeed flattens their storage and reads the gradient norm with .item().
 
-What the fake backend cannot play, and what is done instead:
-- torch 2.13's pipeline schedules start with a vote among the stages (_warmup_p2p: each says whether its
-  shapes are static, the product travels to the last stage and back); the fake recv delivers nothing, so
-  the vote comes out "dynamic" and the shape exchange that follows unpickles nothing. Every stage here has
+What the fake backend cannot play, and what is done instead (same calls, same bytes):
+- its operations' futures hold nothing: DDP's reducer takes each bucket's all-reduce result from one
+  ("expected the hook result is either a Tensor or a TensorList found None"), so the same all-reduce is
+  issued from a comm hook (`all_reduce_bucket`); DDP's compression hooks (--comm-hook) are refused.
+- its recv delivers nothing: torch 2.13's pipeline schedules start with a vote among the stages
+  (_warmup_p2p: each says whether its shapes are static, the product travels to the last stage and back),
+  which then comes out "dynamic", and the shape exchange that follows unpickles nothing. Every stage has
   its shapes given (the impl's stage examples), as in a real run, where the vote comes out "static": that
-  outcome is set instead (its 2·(p−1) one-integer messages happen in the first step only, never counted).
-- DeepSpeed ZeRO-3 checks that every rank traced the same modules by broadcasting rank 0's list
-  (assert_ints_same_as_other_ranks): on any other rank the broadcast leaves its own placeholder, and the
-  check fails. ZeRO-3 runs here as rank 0 only (its partitions are the same size on every rank).
-- impls/pipeline balances its cut by trying every one of C(blocks − 1, stages − 1) cuts: beyond
-  `MAX_CUTS_TRIED` give `--partition`.
-- impls/tensor_parallel's check_options checks --tp against the default gpt's 4 heads; here the
-  simulated shape's heads are checked instead.
+  outcome is set instead (`vote_static`; the vote's 2·(p−1) one-integer messages are in the first step
+  only). impls/model_parallel sends each tensor's shape before it: not simulated.
+- its broadcast delivers nothing: DeepSpeed ZeRO-3 checks that every rank traced the same modules by
+  broadcasting rank 0's list (assert_ints_same_as_other_ranks), which fails on any other rank. ZeRO-3 runs
+  here as rank 0 only (its partitions are the same size on every rank).
+- device meshes compare equal whichever rank holds them, and DTensor caches its sharding decisions by
+  mesh: they are forgotten between simulations (`forget_sharding_decisions`).
 
-`simulate` runs `steps` optimizer steps (forward, backward and step, with --grad-accum micro-steps) and
-counts the last, as distref.training.traffic counts a run's third: DDP rebuilds its buckets after the
-first, ZeRO-3 records its trace in the first. It measures the rank's model states (distref.training.measure:
-DTensors' local parts) and returns both beside what distref.cost predicts for the same shape and options,
-with the arguments each impl's train.py passes. The planner (`python -m distref.plan --simulate`) runs a
-preset through the chosen impl's sharding the same way.
+Limits of the impls' own checks at these sizes: impls/pipeline balances its cut by trying every one of
+C(blocks − 1, stages − 1) cuts (beyond `MAX_CUTS_TRIED`, give --partition: 32 blocks into 16 stages would
+take hours); impls/tensor_parallel checks --tp against the default gpt's 4 heads (here the simulated
+shape's heads and, with sequence parallelism, its sequence are checked instead).
+
+`simulate` runs `steps` optimizer steps (forward, backward and optimizer step, --grad-accum micro-steps)
+and counts the last: distref.training.traffic counts a run's third, as DDP rebuilds its buckets after the
+first and ZeRO-3 records its trace in the first; FSDP2, DTensor and the pipeline schedules communicate the
+same from the first step on here. It measures the rank's model states (distref.training.measure: DTensors'
+local parts) and returns both beside what distref.cost predicts for the same shape and options, with the
+arguments each impl's train.py passes (its `*_cost`). The planner (`python -m distref.plan --simulate`)
+runs a preset through the chosen impl's sharding the same way.
 """
 
 from __future__ import annotations
@@ -54,15 +64,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distref.config import RunConfig
-from distref.cost.counts import Counts, merge, same
+from distref.cost.counts import Counts, same
 from distref.cost.data_parallel import ddp as ddp_communication
 from distref.cost.memory import replicated
 from distref.cost.pipeline import pipeline as pipeline_communication
@@ -116,16 +125,18 @@ class GPTShape:
         return GPTConfig(self.vocab, self.seq, n_layer=self.layers, n_head=self.heads, n_embd=self.hidden)
 
     def parameters(self) -> int:
-        """Parameter count: the embeddings, 12h² + 10h per block (q, k, v, proj, a 4h MLP, two layer
+        """Parameter count: the embeddings, 12h² + 12h per block (q, k, v, proj, a 4h MLP, two layer
         norms; k has no bias), the head's layer norm and output layer."""
         h = self.hidden
-        return (self.vocab + self.seq) * h + self.layers * (12 * h * h + 10 * h) + 2 * h + self.vocab * h
+        return (self.vocab + self.seq) * h + self.layers * (12 * h * h + 12 * h) + 2 * h + self.vocab * h
 
 
+# gpt-1.3b: GPT-3 XL's sizes (24 × 2048, GPT-2's vocabulary), 1.42B parameters; gpt-7b: Llama-7B's sizes
+# (32 × 4096, 32000 tokens, 4096 positions), 6.72B parameters in gpt's layout (GELU MLP of 4h, biases).
 PRESETS = {
     "gpt-tiny": GPTShape(layers=2, hidden=64, heads=4, vocab=11, seq=16),  # what --model gpt trains
-    "gpt-1.3b": GPTShape(layers=24, hidden=2048, heads=16, vocab=50257, seq=2048),  # GPT-3 XL-like, 1.42B
-    "gpt-7b": GPTShape(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096),  # Llama-7B's sizes, 6.74B
+    "gpt-1.3b": GPTShape(layers=24, hidden=2048, heads=16, vocab=50257, seq=2048),
+    "gpt-7b": GPTShape(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096),
 }
 
 
@@ -151,15 +162,29 @@ class Simulation:
         """What differs between measurement and formula (calls and bytes exactly, bus bytes to rounding)."""
         found = []
         if not same(self.communication, self.communication_predicted):
-            found.append(f"communication: measured {self.communication}, predicted {self.communication_predicted}")
+            found.append(
+                f"communication: measured {self.communication}, predicted {self.communication_predicted}"
+            )
         if self.model_state_bytes != self.model_state_bytes_predicted:
             found.append(
-                f"model states: measured {self.model_state_bytes}, predicted {self.model_state_bytes_predicted}"
+                f"model states: measured {self.model_state_bytes}, "
+                f"predicted {self.model_state_bytes_predicted}"
             )
         return found
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class Outcome(NamedTuple):
+    """What a runner returns: the counted step's communication and the model states after it, measured,
+    and the formulas' for the same; `facts` about the layout (mesh, stages)."""
+
+    communication: Counts
+    model_state_bytes: dict[str, int]
+    communication_predicted: Counts | None
+    model_state_bytes_predicted: dict[str, int] | None
+    facts: dict[str, Any]
 
 
 class CountSimulated(CountCommunication):
@@ -181,30 +206,68 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """This process as rank `rank` of `world_size`, on torch's fake backend (for CPU and meta tensors)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # (registers the "fake" backend)
 
+    forget_sharding_decisions()
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         if dist.is_initialized():  # (DeepSpeed's runner destroys it itself)
             dist.destroy_process_group()
+        forget_sharding_decisions()
 
 
-def tensor_context(tensors: str) -> contextlib.AbstractContextManager:
-    """Where the model and batches are built: fake tensors, the meta device, or real CPU tensors."""
-    return {"fake": FakeTensorMode, "meta": lambda: torch.device("meta"), "real": contextlib.nullcontext}[
-        tensors
-    ]()
+def forget_sharding_decisions() -> None:
+    """Empty DTensor's caches of sharding decisions. They are keyed by device meshes, which compare equal
+    whichever rank holds them (one process is one rank in a real job): a simulation as rank 0 after one as
+    rank 511 of the same mesh would reuse rank 511's local shapes ("shape '[1, 512, 0]' is invalid for
+    input of size 1024")."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+
+
+def build(shape: GPTShape, tensors: str, cfg: RunConfig) -> BlockModel:
+    """gpt of `shape`: on the meta device, to be parallelized there ("fake", "meta"), or real on the CPU."""
+    with torch.device("meta") if tensors in ("fake", "meta") else contextlib.nullcontext():
+        model = gpt(shape.config())
+    model.activation_checkpointing = cfg.activation_checkpointing  # (as every impl sets it)
+    return model
+
+
+@contextlib.contextmanager
+def step_tensors(tensors: str, model: torch.nn.Module) -> Iterator[None]:
+    """Where the steps run. "fake": the model, parallelized on the meta device (FSDP2 chunks each parameter
+    into a shard per rank: cheap on meta, slow for fake tensors at 512 ranks), is materialized as fake
+    tensors (Module.to_empty, FSDP2's own path from meta) in a FakeTensorMode, and everything inside is
+    fake. "meta": tensors created inside are on the meta device. "real": as they are."""
+    if tensors == "fake":
+        with FakeTensorMode(allow_non_fake_inputs=True):  # (to_empty reads the meta parameters)
+            model.to_empty(device="cpu")
+            yield
+    elif tensors == "meta":
+        with torch.device("meta"):
+            yield
+    else:
+        yield
 
 
 def device_of(tensors: str) -> torch.device:
+    """The device the impl's functions are given (fake tensors pass for CPU ones)."""
     return torch.device("meta" if tensors == "meta" else "cpu")
 
 
 def strategy_options(module, impl: str, argv: Sequence[str]):
     """The impl's own options (its `add_options`, its defaults) from `argv`, as its options dataclass."""
-    parser = argparse.ArgumentParser(prog=f"{impl} (simulated)", exit_on_error=False)
+    parser = argparse.ArgumentParser(prog=f"{impl} (simulated)")
     module.add_options(parser)
-    return getattr(module, OPTIONS_CLASS[impl])(**vars(parser.parse_args(list(argv))))
+    known, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        raise ValueError(
+            f"{impl} has no option {' '.join(unknown)} (its own options only: {parser.format_usage()})"
+        )
+    return getattr(module, OPTIONS_CLASS[impl])(**vars(known))
 
 
 def data_parallel_degree(impl: str, module, options, world_size: int) -> int:
@@ -228,6 +291,10 @@ def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, r
             return f"--dp-shard {dp} × --tp {tp} = {dp * tp} ranks, but the world has {world_size}"
         if shape.heads % tp:
             return f"--tp {tp} must divide the {shape.heads} attention heads"
+        if options.sequence_parallel and shape.seq % tp:  # (a rank without a position fails to reshape)
+            return (
+                f"--sequence-parallel splits the {shape.seq} positions over the --tp {tp} ranks: not evenly"
+            )
         return None
     if impl == "pipeline":
         stages = world_size // options.dp * module.stages_per_rank(options)
@@ -239,8 +306,14 @@ def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, r
             )
         if cfg.precision != "fp32":
             return "the pipeline runs on meta tensors here, which have no autocast: fp32 only"
+    if impl == "ddp" and options.comm_hook != "none":
+        return (
+            f"--comm-hook {options.comm_hook} reads the all-reduce's result: the fake backend leaves it empty"
+        )
     if impl == "deepspeed_zero" and options.zero_stage == 3 and rank != 0:
-        return "DeepSpeed ZeRO-3 runs on the fake backend as rank 0 only (its trace check broadcasts rank 0's)"
+        return (
+            "DeepSpeed ZeRO-3 runs on the fake backend as rank 0 only (its trace check broadcasts rank 0's)"
+        )
     return module.check_options(cfg, world_size)
 
 
@@ -256,6 +329,7 @@ def simulate(
     optimizer: str = "adamw",
     precision: str = "fp32",
     weight_decay: float = 0.0,
+    activation_checkpointing: bool = False,
     steps: int | None = None,
     tensors: str | None = None,
     impls_dir: Path = IMPLS_DIR,
@@ -266,11 +340,12 @@ def simulate(
     others), the last counted. `tensors` ("fake", "meta", "real"; default TENSORS[impl]) chooses what the
     model is built of. Raises ValueError where the impl or the fake backend cannot run it."""
     if impl not in TENSORS:
-        why = " (it runs no collectives on the fake backend: distref.simulate)" if impl in NOT_SIMULATED else ""
+        why = " (distref.simulate's docstring says why)" if impl in NOT_SIMULATED else ""
         raise ValueError(f"no simulation for impl {impl!r}{why}; one of: {', '.join(TENSORS)}")
     module = load_train_module(Path(impls_dir) / impl / "train.py")
     own = strategy_options(module, impl, options)
     degree = data_parallel_degree(impl, module, own, world_size)
+    steps = steps or (3 if impl in ("ddp", "deepspeed_zero") else 2)
     cfg = RunConfig(
         model="gpt",
         gpt_layers=shape.layers,
@@ -281,18 +356,29 @@ def simulate(
         weight_decay=weight_decay,
         precision=precision,
         grad_accum=grad_accum,
+        activation_checkpointing=activation_checkpointing,
         device="cpu",
         strategy=own,
     )
     if problem := check(impl, module, cfg, shape, world_size, rank):
         raise ValueError(f"{impl} at {world_size} ranks: {problem}")
     tensors = tensors or TENSORS[impl]
-    steps = steps or (3 if impl in ("ddp", "deepspeed_zero") else 2)
     started = time.perf_counter()
     with fake_world(world_size, rank):
-        result = RUNNERS[impl](module, cfg, shape, world_size, rank, tensors, steps)
-    result.seconds = time.perf_counter() - started
-    return result
+        outcome = RUNNERS[impl](module, cfg, shape, world_size, rank, tensors, steps)
+    return Simulation(
+        impl=impl,
+        world_size=world_size,
+        rank=rank,
+        shape=shape,
+        tensors=tensors,
+        communication=outcome.communication,
+        communication_predicted=outcome.communication_predicted,
+        model_state_bytes=outcome.model_state_bytes,
+        model_state_bytes_predicted=outcome.model_state_bytes_predicted,
+        facts={"parameters": shape.parameters(), **outcome.facts},
+        seconds=time.perf_counter() - started,
+    )
 
 
 # ---- Each impl's step, run with its own functions, and the formula's arguments as its train.py passes them
@@ -321,20 +407,30 @@ def run_steps(
     return counts, states
 
 
-def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+def all_reduce_bucket(state, bucket):  # (DDP checks a hook's annotations; here they would be strings)
+    """DDP's own all-reduce of a bucket (the reducer's: divide by the ranks, sum), as a comm hook: the
+    reducer takes its result from the all-reduce's future, which the fake backend leaves empty ("expected
+    the hook result is either a Tensor or a TensorList found None"). Same call, same bytes."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda _: buffer)
+
+
+def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
-    with tensor_context(tensors):
-        model = module.apply_ddp(gpt(shape.config()), options, device, rank)
+    model = module.apply_ddp(build(shape, tensors, cfg), options, device, rank)
+    model.register_comm_hook(None, all_reduce_bucket)
+    with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
 
         def step() -> None:
             for micro_step in range(cfg.grad_accum):
                 last = micro_step == cfg.grad_accum - 1
-                with contextlib.nullcontext() if last else model.no_sync(), autocast(cfg, device):
-                    loss = loss_fn(model(x), x)
-                (loss / cfg.grad_accum).backward()
+                with contextlib.nullcontext() if last else model.no_sync():
+                    with autocast(cfg, device):
+                        loss = loss_fn(model(x), x)
+                    (loss / cfg.grad_accum).backward()
 
         counts, states = run_steps(steps, step, optimizer, model.parameters)
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
@@ -348,11 +444,7 @@ def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
             buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
         )
     step_bytes = torch.get_default_dtype().itemsize
-    return Simulation(
-        "ddp", world_size, rank, shape, tensors, counts, predicted, states,
-        replicated(parameter_bytes, cfg.optimizer, step_bytes),
-        {"parameters": shape.parameters()},
-    )  # fmt: skip
+    return Outcome(counts, states, predicted, replicated(parameter_bytes, cfg.optimizer, step_bytes), {})
 
 
 def sharded_step(model, cfg: RunConfig, x: torch.Tensor, device, loss_context=contextlib.nullcontext):
@@ -370,12 +462,12 @@ def sharded_step(model, cfg: RunConfig, x: torch.Tensor, device, loss_context=co
     return step
 
 
-def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
-    mesh = module.make_mesh(world_size, options.hsdp, device)  # (before fake mode: the mesh is real)
-    with tensor_context(tensors):
-        model = module.apply_fsdp(gpt(shape.config()), mesh, cfg, device)
+    mesh = module.make_mesh(world_size, options.hsdp, device)
+    model = module.apply_fsdp(build(shape, tensors, cfg), mesh, cfg, device)
+    with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
         counts, states = run_steps(steps, sharded_step(model, cfg, x, device), optimizer, model.parameters)
@@ -395,21 +487,18 @@ def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation
     predicted_states = fsdp_model_states(
         shapes, shards.size(), shards.get_local_rank(), dtype.itemsize, cfg.optimizer, step_bytes
     )
-    mesh_facts = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
-    return Simulation(
-        "fsdp", world_size, rank, shape, tensors, counts, predicted, states, predicted_states,
-        {"parameters": shape.parameters(), "mesh": mesh_facts},
-    )  # fmt: skip
+    facts = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))}
+    return Outcome(counts, states, predicted, predicted_states, facts)
 
 
-def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
     dp, tp = module.mesh_shape(options, world_size)
     mesh = module.make_mesh(dp, tp, device)
     loss_context = module.loss_parallel if options.loss_parallel else contextlib.nullcontext
-    with tensor_context(tensors):
-        model = module.parallelize(gpt(shape.config()), mesh, options)
+    model = module.parallelize(build(shape, tensors, cfg), mesh, options)
+    with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (dp * cfg.grad_accum))
         step = sharded_step(model, cfg, x, device, loss_context)
@@ -437,10 +526,7 @@ def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) ->
         element_bytes=element,
         step_bytes=torch.get_default_dtype().itemsize,
     )
-    return Simulation(
-        "tensor_parallel", world_size, rank, shape, tensors, counts, predicted, states, predicted_states,
-        {"parameters": shape.parameters(), "mesh": {"dp_shard": dp, "tp": tp}},
-    )  # fmt: skip
+    return Outcome(counts, states, predicted, predicted_states, {"mesh": {"dp_shard": dp, "tp": tp}})
 
 
 def vote_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
@@ -452,18 +538,20 @@ def vote_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
         stage._inference_mode = InferenceMode.STATIC
 
 
-def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
     mesh = module.pipeline_mesh(device, options, world_size)
     cuts = module.choose_cut_points("gpt", options.partition, mesh.n_stages, shape.layers)[0]
     micro_batch = cfg.global_batch_size // (options.dp * options.microbatches)
-    with tensor_context(tensors):
-        model = gpt(shape.config())
+    model = build(shape, tensors, cfg)
+    with step_tensors(tensors, model):
         if tensors == "meta":  # cut_into_stages moves the whole model back to the CPU after its example
             model.to = lambda *args, **kwargs: model  # forward: meta tensors stay where they are
         x = batch(shape, micro_batch * options.microbatches)  # the pipeline's batch
-        stage_modules, examples, _ = module.cut_into_stages(model, cuts, cfg, mesh, x[:micro_batch], device, False)
+        stage_modules, examples, _ = module.cut_into_stages(
+            model, cuts, cfg, mesh, x[:micro_batch], device, False
+        )
         held = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
         _, schedule = module.build_schedule(stage_modules, examples, mesh, options, device)
         schedule._warmup_p2p = vote_static
@@ -489,15 +577,11 @@ def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Simula
         dp=options.dp,
     )
     step_bytes = torch.get_default_dtype().itemsize
-    facts = {"parameters": shape.parameters(), "mesh": {"dp": options.dp, "pp": mesh.p}, "cuts": cuts}
-    facts["stages"] = sorted(mesh.my_stages)
-    return Simulation(
-        "pipeline", world_size, rank, shape, tensors, counts, predicted, states,
-        replicated(parameter_bytes, cfg.optimizer, step_bytes), facts,
-    )  # fmt: skip
+    facts = {"mesh": {"dp": options.dp, "pp": mesh.p}, "cuts": cuts, "stages": sorted(mesh.my_stages)}
+    return Outcome(counts, states, predicted, replicated(parameter_bytes, cfg.optimizer, step_bytes), facts)
 
 
-def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> Simulation:
+def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     if tensors != "real":
         raise ValueError("DeepSpeed runs on real tensors only (it flattens their storage)")
     device = device_of(tensors)
@@ -540,11 +624,10 @@ def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> 
             grad_accum=cfg.grad_accum,
         )
         step_bytes = torch.get_default_dtype().itemsize
-        predicted_states = zero_model_states(numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes)
-    return Simulation(
-        "deepspeed_zero", world_size, rank, shape, tensors, counts, predicted, states, predicted_states,
-        {"parameters": shape.parameters(), "zero_stage": stage},
-    )  # fmt: skip
+        predicted_states = zero_model_states(
+            numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes
+        )
+    return Outcome(counts, states, predicted, predicted_states, {"zero_stage": stage})
 
 
 RUNNERS = {
@@ -554,8 +637,3 @@ RUNNERS = {
     "pipeline": run_pipeline,
     "deepspeed_zero": run_deepspeed_zero,
 }
-
-
-def total(simulations: Sequence[Simulation]) -> Counts:
-    """The counts of several ranks' steps added up (e.g. every stage rank of one pipeline)."""
-    return merge(*(s.communication for s in simulations))

@@ -23,8 +23,10 @@ issues, counted at the dispatcher):
     gradient is all-reduced in backward (the output layer is split by rows, its input whole).
   - loss parallelism keeps the logits split over the vocabulary into the cross-entropy: three all-reduces of
     b·s elements (the max, the sum of exponentials, the target's logit; torch.distributed.tensor.parallel
-    .loss's _log_softmax and nll_loss), none in backward. Without it the logits are all-gathered: DTensor pads
-    a rank's ⌈V/T⌉ columns (V = 11, T = 2: 12 columns), so b·s·⌈V/T⌉·T elements.
+    .loss's _log_softmax and nll_loss), none in backward — two on a rank that holds no column of the
+    vocabulary (V ≤ ⌈V/T⌉·(T − 1): V = 1000, T = 512, ranks 500-511), where _log_softmax skips the max's
+    (`if x.numel() == 0`; in a real run the other ranks would wait on it). Without it the logits are
+    all-gathered: DTensor pads a rank's ⌈V/T⌉ columns (V = 11, T = 2: 12 columns), so b·s·⌈V/T⌉·T elements.
   - with sequence parallelism the layer norms' parameters are replicated but see 1/T of the tokens: their
     gradients are partial sums (DTensor's Partial). On a 1-D mesh the optimizer's arithmetic reduces them
     each time it reads one: AdamW reads the gradient three times per parameter (exp_avg.lerp_(grad),
@@ -55,7 +57,8 @@ under bf16 autocast, else w), and T > 1:
                         3 times each (AdamW) or once (SGD; FSDP2 on a 2-D mesh)
         all_gather:     A·(4L + 2) calls: A·((2L + 2)·E·w + 2L·E·c)
         reduce_scatter: A·(4L + 1) calls: A·((2L + 1)·E·w + 2L·E·c)
-    loss parallelism:   all_reduce, 3A calls, 3A·b·s·w; without it: all_gather, A calls, A·b·s·⌈V/T⌉·T·c
+    loss parallelism:   all_reduce, 3A calls, 3A·b·s·w (2A, 2A·b·s·w on a rank holding no vocabulary column);
+                        without it: all_gather, A calls, A·b·s·⌈V/T⌉·T·c
     checkpointed:       all_reduce, A more, A·E·w; and with sequence parallelism all_gather A(2L + 1) more,
                         A(2L + 1)·E·w, reduce_scatter AL more, AL·E·c; without it all_reduce AL more, AL·E·c
 
@@ -212,7 +215,8 @@ def tensor_parallel(
             else:
                 add(tp_part, "all_reduce", A * L * E * c, tp, calls=A * L)
     if loss_parallel:
-        add(tp_part, "all_reduce", 3 * A * b * s * w, tp, calls=3 * A)
+        reductions = 3 if rows_held(vocabulary, tp, tp_rank) else 2  # (no column: no max to reduce)
+        add(tp_part, "all_reduce", reductions * A * b * s * w, tp, calls=reductions * A)
     if dp_shard == 1:
         return tp_part
     held = parameters_held(L, h, vocabulary, s, tp, tp_rank)

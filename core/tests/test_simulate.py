@@ -1,0 +1,244 @@
+"""The cost model at the world sizes users run: one rank of 8, 64 and 512, run in this process on torch's
+fake process group through each impl's own parallelization code (distref.simulate), its step's
+communication counted and its model states measured — equal, exactly, to distref.cost's formulas.
+Real-size presets (a 1.3B- and a 7B-like gpt) run on fake or meta tensors: no memory, no arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from distref.cost.counts import same
+from distref.simulate import PRESETS, GPTShape, simulate
+
+# Small shapes whose sizes do not divide by the worlds: at 512 ranks FSDP2's last ranks hold no row of a
+# 64-row or 1000-row parameter, and the ranks before them a partial one.
+SMALL = GPTShape(layers=2, hidden=64, heads=8, vocab=1000, seq=16)
+DEEP = GPTShape(layers=6, hidden=64, heads=8, vocab=1000, seq=16)  # 8 blocks: a stage each for 8 ranks
+DEEPER = GPTShape(layers=14, hidden=64, heads=8, vocab=1000, seq=16)  # 16 blocks: 2 stages each for 8
+TP64 = GPTShape(layers=1, hidden=128, heads=64, vocab=1000, seq=64)  # 1-D tensor parallel over 64 ranks
+# ... over 512: heads of width 1, the sequence split over the 512 too (sequence parallel); ranks 500-511
+# hold no column of the vocabulary (⌈1000/512⌉ = 2 each)
+TP512 = GPTShape(layers=1, hidden=512, heads=512, vocab=1000, seq=512)
+GPT_1_3B, GPT_7B = PRESETS["gpt-1.3b"], PRESETS["gpt-7b"]
+EVERY_BLOCK = ",".join(str(b) for b in range(1, 16))  # DEEPER cut into its 16 blocks
+
+
+def check(impl: str, world_size: int, shape: GPTShape, rank: int, options=(), **kwargs):
+    """Simulate, and require measurement and formula equal (calls and bytes of each kind; model-state
+    bytes) and the step to have communicated something. Returns the simulation."""
+    run = simulate(impl, world_size, shape, rank=rank, options=options, **kwargs)
+    assert not run.differences(), "\n".join(run.differences())
+    assert run.communication, "the step communicated nothing"
+    return run
+
+
+def block_parameters(shape: GPTShape) -> list[int]:
+    """Parameters of each of gpt's blocks: the embeddings, the transformer blocks, the head."""
+    h = shape.hidden
+    return [(shape.vocab + shape.seq) * h, *[12 * h * h + 12 * h] * shape.layers, 2 * h + shape.vocab * h]
+
+
+def kinds(run) -> dict[str, tuple[int, int]]:
+    return {kind: (entry["calls"], entry["bytes"]) for kind, entry in run.communication.items()}
+
+
+@pytest.mark.parametrize(
+    "world_size, rank, options",
+    [
+        (8, 7, []),
+        (64, 63, ["--bucket-cap-mb", "0.1"]),  # several buckets
+        (512, 0, []),
+    ],
+)
+def test_ddp(world_size, rank, options):
+    run = check("ddp", world_size, SMALL, rank, options)
+    psi, tensors = SMALL.parameters(), 2 + 15 * SMALL.layers + 3  # AdamW: two moments, a step per tensor
+    assert run.model_state_bytes == {
+        "parameters": 4 * psi,
+        "gradients": 4 * psi,
+        "optimizer": 8 * psi + 4 * tensors,
+    }
+    assert run.communication["all_reduce"]["bytes"] == 4 * psi  # every gradient, once
+
+
+@pytest.mark.parametrize(
+    "world_size, rank, options",
+    [
+        (8, 0, []),
+        (64, 63, []),
+        (512, 0, []),
+        (512, 511, []),  # holds none of the 64-row parameters and of the 1000-row tables
+        (512, 300, ["--no-reshard-after-forward"]),
+        (8, 7, ["--hsdp", "2"]),
+        (64, 63, ["--hsdp", "8"]),
+        (512, 511, ["--hsdp", "8"]),
+    ],
+)
+def test_fsdp_and_hsdp(world_size, rank, options):
+    run = check("fsdp", world_size, SMALL, rank, options)
+    units = 4  # embed, block0, block1, head (the root holds no parameter)
+    gathers = units if "--no-reshard-after-forward" in options else 2 * units - 1  # the last keeps its
+    assert kinds(run)["all_gather"][0] == gathers and kinds(run)["reduce_scatter"][0] == units
+    assert ("all_reduce" in run.communication) == ("--hsdp" in options)  # HSDP: across the replicas
+
+
+def test_fsdp_rank_holds_its_rows_of_a_7b_model_at_512_ranks():
+    """The ZeRO-3 arithmetic, per rank: (4 + 4 + 8)Ψ/N bytes in fp32 with AdamW, to FSDP2's padding
+    (rank 0 holds a full ⌈d₀/N⌉ rows of every parameter; one step: test_the_first_step_is_steady)."""
+    run = check("fsdp", 512, GPT_7B, 0, steps=1)
+    psi, n = GPT_7B.parameters(), 512
+    assert psi == 6_722_953_216
+    assert run.model_state_bytes["parameters"] == pytest.approx(4 * psi / n, rel=0.002)
+    assert run.model_state_bytes["optimizer"] == pytest.approx(8 * psi / n, rel=0.002)
+
+
+@pytest.mark.parametrize(
+    "world_size, shape, rank, options",
+    [
+        (8, SMALL, 7, []),
+        (8, SMALL, 3, ["--no-sequence-parallel", "--no-loss-parallel"]),
+        (64, TP64, 63, []),
+        (512, TP512, 511, []),
+        (512, TP512, 0, ["--no-sequence-parallel"]),
+    ],
+)
+def test_tensor_parallel_1d(world_size, shape, rank, options):
+    run = check("tensor_parallel", world_size, shape, rank, options)
+    assert run.facts["mesh"] == {"dp_shard": 1, "tp": world_size}
+
+
+@pytest.mark.parametrize(
+    "world_size, dp, tp, shape, rank",
+    [
+        (8, 2, 4, SMALL, 7),
+        (64, 8, 8, SMALL, 63),
+        (512, 64, 8, SMALL, 511),
+        (512, 64, 8, SMALL, 8),
+        (64, 8, 8, GPT_1_3B, 62),
+    ],
+)
+def test_fsdp_over_tensor_parallel(world_size, dp, tp, shape, rank):
+    steps = 1 if shape is GPT_1_3B else None  # (test_the_first_step_is_steady)
+    run = check(
+        "tensor_parallel", world_size, shape, rank, ["--dp-shard", str(dp), "--tp", str(tp)], steps=steps
+    )
+    assert run.facts["mesh"] == {"dp_shard": dp, "tp": tp}
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= set(run.communication)
+
+
+@pytest.mark.parametrize(
+    "world_size, shape, rank, options",
+    [
+        (8, DEEP, 0, ["--schedule", "gpipe"]),
+        (8, DEEP, 3, ["--microbatches", "8"]),
+        (8, DEEPER, 7, ["--schedule", "interleaved-1f1b", "--microbatches", "8", "--partition", EVERY_BLOCK]),
+        (8, DEEPER, 2, ["--schedule", "zbv", "--microbatches", "8", "--partition", EVERY_BLOCK]),
+        (64, DEEP, 9, ["--dp", "8", "--microbatches", "8"]),
+        (512, DEEP, 511, ["--dp", "64", "--microbatches", "8"]),
+        (64, GPT_1_3B, 63, ["--dp", "8", "--microbatches", "8", "--partition", "4,7,10,13,16,19,22"]),
+    ],
+)
+def test_pipeline_stage_cuts(world_size, shape, rank, options):
+    """Model states per stage rank (its blocks), each boundary crossed twice per micro-batch."""
+    run = check("pipeline", world_size, shape, rank, options, steps=1 if shape is GPT_1_3B else None)
+    microbatches = int(options[options.index("--microbatches") + 1]) if "--microbatches" in options else 4
+    sends = {"send", "recv"} & set(run.communication)
+    boundary = shape.seq * shape.hidden * 4  # a micro-batch of one sequence, fp32
+    assert sends, "no stage boundary crossed"
+    for kind in sends:  # each boundary of a stage with a stage on another rank: once per micro-batch
+        calls, moved = kinds(run)[kind]
+        assert moved == calls * boundary and calls % microbatches == 0
+    # the rank holds its stages' blocks, counted here from the shape
+    bounds = list(itertools.pairwise([0, *run.facts["cuts"], shape.layers + 2]))
+    held = sum(sum(block_parameters(shape)[slice(*bounds[stage])]) for stage in run.facts["stages"])
+    assert run.model_state_bytes["parameters"] == run.model_state_bytes["gradients"] == 4 * held
+    if "--dp" in options:  # each gradient averaged over the pipelines
+        assert kinds(run)["all_reduce"][1] == 4 * held
+
+
+@pytest.mark.parametrize(
+    "world_size, rank, stage",
+    [(8, 7, 1), (64, 63, 2), (512, 0, 3)],  # ZeRO-3 as rank 0 only (distref.simulate says why)
+)
+def test_deepspeed_zero(world_size, rank, stage):
+    pytest.importorskip("deepspeed")
+    check("deepspeed_zero", world_size, SMALL, rank, ["--zero-stage", str(stage)])
+
+
+@pytest.mark.parametrize(
+    "impl, world_size, rank, options, settings",
+    [
+        ("ddp", 64, 63, ["--bucket-cap-mb", "0.1"], {"grad_accum": 2, "optimizer": "sgd"}),
+        ("fsdp", 64, 63, ["--hsdp", "8"], {"precision": "bf16", "grad_accum": 2}),
+        ("fsdp", 512, 100, [], {"optimizer": "sgd", "activation_checkpointing": True}),
+        ("tensor_parallel", 64, 63, ["--tp", "8"], {"precision": "bf16", "activation_checkpointing": True}),
+        ("tensor_parallel", 8, 7, ["--no-sequence-parallel"], {"activation_checkpointing": True}),
+        ("tensor_parallel", 8, 5, [], {"optimizer": "sgd", "weight_decay": 0.1, "micro_batch": 3}),
+        ("tensor_parallel", 64, 63, ["--tp", "8"], {"grad_accum": 2, "optimizer": "sgd"}),
+    ],
+)
+def test_precision_accumulation_checkpointing_and_optimizers(impl, world_size, rank, options, settings):
+    """bf16 (FSDP2's mixed-precision gathers, autocast's bf16 outputs), --grad-accum, recomputed forwards
+    and SGD's state, as the formulas have them."""
+    check(impl, world_size, SMALL, rank, options, **settings)
+
+
+@pytest.mark.parametrize(
+    "impl, options",
+    [
+        ("fsdp", ["--hsdp", "8"]),
+        ("tensor_parallel", ["--dp-shard", "8"]),
+        ("pipeline", ["--dp", "8", "--microbatches", "8"]),
+    ],
+)
+def test_the_first_step_is_steady(impl, options):
+    """On the fake backend FSDP2, DTensor and the pipeline schedules communicate the same in their first
+    step as in their second (the real runs count their third: DDP and ZeRO-3 settle after the first):
+    the real-size presets run one step."""
+    shape = DEEP if impl == "pipeline" else SMALL
+    first = simulate(impl, 64, shape, rank=63, options=options, steps=1)
+    second = simulate(impl, 64, shape, rank=63, options=options, steps=2)
+    assert first.communication == second.communication and first.communication
+    assert first.model_state_bytes == second.model_state_bytes
+
+
+@pytest.mark.parametrize(
+    "impl, world_size, shape, options, tensors",
+    [
+        ("fsdp", 8, SMALL, ["--hsdp", "2"], "fake"),
+        ("tensor_parallel", 8, SMALL, ["--dp-shard", "2"], "fake"),
+        ("pipeline", 8, DEEP, ["--microbatches", "8"], "meta"),
+    ],
+)
+def test_tensors_without_data_count_what_real_ones_do(impl, world_size, shape, options, tensors):
+    """The substitution the simulation rests on: a step on fake (or meta) tensors communicates and holds
+    exactly what the same step on real tensors does."""
+    rank = world_size - 1
+    without = simulate(impl, world_size, shape, rank=rank, options=options, tensors=tensors)
+    real = simulate(impl, world_size, shape, rank=rank, options=options, tensors="real")
+    assert same(without.communication, real.communication)
+    assert without.model_state_bytes == real.model_state_bytes
+
+
+@pytest.mark.parametrize(
+    "impl, world_size, rank, options, why",
+    [
+        ("model_parallel", 8, 0, [], "no simulation"),
+        ("ddp", 8, 0, ["--comm-hook", "bf16"], "leaves it empty"),
+        ("deepspeed_zero", 64, 1, ["--zero-stage", "3"], "rank 0 only"),
+        (
+            "pipeline",
+            64,
+            0,
+            ["--dp", "8", "--schedule", "interleaved-1f1b", "--microbatches", "8"],
+            "--partition",
+        ),
+        ("tensor_parallel", 64, 0, ["--tp", "64"], "must divide the 8 attention heads"),
+    ],
+)
+def test_what_the_fake_backend_cannot_run_is_refused_with_the_reason(impl, world_size, rank, options, why):
+    shape = GPTShape(layers=30, hidden=64, heads=8, vocab=1000, seq=16) if impl == "pipeline" else SMALL
+    with pytest.raises(ValueError, match=why):
+        simulate(impl, world_size, shape, rank=rank, options=options)
