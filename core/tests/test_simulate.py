@@ -116,11 +116,11 @@ def test_tensor_parallel_1d(world_size, shape, rank, options):
         (64, 8, 8, SMALL, 63),
         (512, 64, 8, SMALL, 511),
         (512, 64, 8, SMALL, 8),
-        (64, 8, 8, GPT_1_3B, 62),
+        (512, 64, 8, GPT_7B, 511),
     ],
 )
 def test_fsdp_over_tensor_parallel(world_size, dp, tp, shape, rank):
-    steps = 1 if shape is GPT_1_3B else None  # (test_the_first_step_is_steady)
+    steps = 1 if shape is GPT_7B else None  # (test_the_first_step_is_steady)
     run = check(
         "tensor_parallel", world_size, shape, rank, ["--dp-shard", str(dp), "--tp", str(tp)], steps=steps
     )
