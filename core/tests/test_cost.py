@@ -159,3 +159,41 @@ def test_torch_optimizers_hold_what_the_formula_says():
         held = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
         assert held == optimizer_state_bytes(sizes, name)
     assert replicated(sizes, "sgd") == {"parameters": 232, "gradients": 232, "optimizer": 232}
+
+
+def test_a_run_that_stops_before_its_loop_stops_counting():
+    """Bad input found after the process group started (a checkpoint of another run) ends the run inside
+    destroy_process_group_on_exit, before any StepLog: the set-up's counting must end with it, else every
+    later run and test in this process would go on under the counting mode (slower, and IntervalTimer
+    would time nothing). A new run also drops one left over."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    from distref.distributed.process_group import destroy_process_group_on_exit
+    from distref.training.traffic import TRAFFIC
+
+    with pytest.raises(SystemExit), destroy_process_group_on_exit():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        TRAFFIC.begin_run()  # as start_process_group does: set-up is counted
+        assert is_in_torch_dispatch_mode()
+        raise SystemExit(2)
+    assert not is_in_torch_dispatch_mode() and not dist.is_initialized()
+    TRAFFIC.begin_run()
+    TRAFFIC.begin_run()  # a run that never said it ended: its counting stops when the next begins
+    TRAFFIC.stop_counting()
+    assert not is_in_torch_dispatch_mode()
+
+
+def test_counting_starts_only_inside_a_run_s_loop():
+    """A checkpoint built outside a run's loop (a test, a tool calling checkpoint_state) starts no
+    counting that would outlive it; inside the loop the first checkpoint is counted, until the loop ends."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    traffic = Traffic()
+    traffic.start("checkpoint")
+    assert not is_in_torch_dispatch_mode() and "checkpoint" not in traffic.summary()["phases"]
+    traffic.session_starts(start_step=0, n_steps=3)
+    traffic.start("checkpoint")
+    assert is_in_torch_dispatch_mode()
+    traffic.session_ends()
+    assert not is_in_torch_dispatch_mode() and "checkpoint" in traffic.summary()["phases"]

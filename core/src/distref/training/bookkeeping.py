@@ -78,7 +78,7 @@ class StepLog:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        TRAFFIC.stop_counting()
+        TRAFFIC.session_ends()
         if exc is not None:  # the record says the run failed, and why; nothing written is lost
             self.record.fail(f"{type(exc).__name__}: {exc}")
         else:  # this rank's communication; distref.distributed.finish_record gathers every rank's

@@ -147,7 +147,10 @@ class Traffic:
         self.begin_run(count_setup=False)
 
     def begin_run(self, count_setup: bool = True) -> None:
-        """A run begins (its process group exists): forget an earlier run's counts in this process."""
+        """A run begins (its process group exists): forget an earlier run's counts in this process (and
+        stop counting, should that run have ended without saying so)."""
+        if hasattr(self, "phases"):
+            self.stop_counting()
         self.phases: dict[str, dict[str, dict]] = {}
         self.counted_step: int | None = None
         self._step_to_count: int | None = None
@@ -155,12 +158,19 @@ class Traffic:
         self.activations: SavedActivations | None = None
         self._hooks = None
         self._in_run = count_setup
+        self._in_loop = False
         if count_setup:
-            self.start("setup")
+            self._count("setup")
 
     def start(self, phase: str) -> None:
-        """Count from now on as `phase` (unless it was counted already), ending the phase counted so far."""
+        """Count from now on as `phase` (unless it was counted already), ending the phase counted so far;
+        only inside a run's loop (`session_starts` to `session_ends`): a checkpoint saved by other code
+        (a test, a tool) starts nothing that would outlive it."""
         self.stop_counting()
+        if self._in_loop:
+            self._count(phase)
+
+    def _count(self, phase: str) -> None:
         if phase not in self.phases:
             self._mode = CountCommunication(self.phases.setdefault(phase, {}))
             self._mode.__enter__()
@@ -190,13 +200,19 @@ class Traffic:
             self.begin_run(count_setup=False)
         self.stop_counting()
         self._in_run = False  # (the next run in this process starts afresh)
+        self._in_loop = True
         self._step_to_count = min(start_step + 2, n_steps - 1)
+
+    def session_ends(self) -> None:
+        """The loop is over (or failed): nothing more is counted."""
+        self.stop_counting()
+        self._in_loop = False
 
     def step_starts(self, step: int) -> None:
         self.stop_counting()
-        if step == self._step_to_count:
+        if step == self._step_to_count and self._in_loop:
             self.counted_step = step
-            self.start("step")
+            self._count("step")
             # ... and the activations autograd holds for backward in that step (saved-tensor hooks: exact,
             # the same on any device; an impl's own hooks inside the step take precedence).
             self.activations = SavedActivations()
