@@ -315,7 +315,9 @@ class RunRecord:
         was measured, what the strategy's formulas predict for each rank (distref.cost.Predicted.as_dict:
         communication, model states, activations)."""
         steps = self.data["steps"]
-        timed = [row["step_time_s"] for row in steps[1:]]  # step 0 pays for warm-up (allocations, caches)
+        counted = (self.data["communication"] or {}).get("step")  # (slower: every operation through Python)
+        # step 0 pays for warm-up (allocations, caches), the counted step for counting
+        timed = [row["step_time_s"] for row in steps[1:] if row["step"] != counted]
         if timed and sum(timed) > 0:
             self.data["samples_per_s"] = global_batch_size * len(timed) / sum(timed)
         self.data["train_time_s"] = sum(row["step_time_s"] for row in steps)
@@ -342,13 +344,15 @@ class RunRecord:
 
     def _counting_overhead(self) -> None:
         """What counting communication cost: the counted step's time minus the median of this session's
-        other steps but its first (warm-up: allocations, caches, DDP's buckets)."""
+        other steps but its first (warm-up: allocations, caches, DDP's buckets). The counted step is the
+        session's third (or its last): its first is two steps before it, at most."""
         communication = self.data["communication"]
         if not communication or communication["step"] is None:
             return
         times = {row["step"]: row["step_time_s"] for row in self.data["steps"]}
         counted = times.pop(communication["step"], None)
-        others = sorted(t for step, t in times.items() if step > min(times, default=0))
+        session_first = max(communication["step"] - 2, min(times, default=0))
+        others = sorted(t for step, t in times.items() if step > session_first)
         if counted is not None and others:
             communication["counting_overhead_s"] = counted - statistics.median(others)
 

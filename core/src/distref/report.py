@@ -58,7 +58,7 @@ EFFICIENCY_NOTE = (
     "Speed-up = samples/s ÷ single's; scaling efficiency = speed-up ÷ (hardware ÷ single's hardware), "
     "on the same workload (same global batch: strong scaling), 1.00 being perfect use of the extra "
     "hardware. `nox -s compare` runs every process with one thread, so single uses one core. Throughput "
-    "excludes the first (warm-up) step and evaluation."
+    "excludes the first (warm-up) step, the step whose communication was counted, and evaluation."
 )
 
 

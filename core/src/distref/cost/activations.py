@@ -30,8 +30,9 @@ With activation checkpointing a block keeps only its input (the rest is recomput
 A pipeline stage holds its blocks' bytes per micro-batch (its first block's input is the activation it
 received), the loss on the last stage, times the micro-batches in flight: M for GPipe (every forward
 before any backward), min(M, p − s) on stage s for 1F1B (GPipe arXiv 1811.06965; PipeDream-Flush /
-Megatron-LM arXiv 2104.04473 §2.2). The other schedules and mixed precision (autocast keeps some inputs in
-bf16, some in fp32) have no formula yet: the functions return None for them.
+Megatron-LM arXiv 2104.04473 §2.2); the multi-stage schedules by their own order of work (`held_in_order`:
+interleaved 1F1B). The schedules that split the backward (zero-bubble, ZBV, DualPipeV) and mixed precision
+(autocast keeps some inputs in bf16, some in fp32) have no formula yet: the functions return None.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def pipeline_rank(
     info,
     gpt_layers: int,
     bounds: list[tuple[int, int]],
-    actions: Sequence[tuple[str, int]],
+    actions: Sequence[tuple[str, int]] | None,
     micro_batch: int,
     precision: str,
     checkpointed: bool,
@@ -271,7 +272,7 @@ def pipeline_rank(
     bounds[stage] of the model's each: the most micro-batches' activations it holds at once
     (`held_in_order`), and once each stage's saved buffers."""
     found = formula_for(model, info, gpt_layers, precision, checkpointed)
-    if found is None:
+    if found is None or actions is None:  # (no formula, or a schedule whose order is not known)
         return None
     blocks, loss = found
     per_microbatch, once = {}, 0

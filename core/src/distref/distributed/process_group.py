@@ -138,7 +138,7 @@ def destroy_process_group_on_exit(prog: str = "train.py") -> Iterator[None]:
             )
         raise SystemExit(1) from exc
     finally:
-        TRAFFIC.stop_counting()  # a run that ended before its loop (bad input) was counting its set-up
+        TRAFFIC.run_ends()  # (a run that ended before its loop, bad input, was counting its set-up)
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -87,7 +87,7 @@ class StepLog:
         self.tensorboard.close()
 
     def step_starts(self, step: int) -> float:
-        """A step begins (its time is measured from what this returns); the session's second step has its
+        """A step begins (its time is measured from what this returns); the session's third step has its
         communication counted (distref.training.traffic)."""
         TRAFFIC.step_starts(step)
         return time.perf_counter()

@@ -208,6 +208,12 @@ class Traffic:
         self.stop_counting()
         self._in_loop = False
 
+    def run_ends(self) -> None:
+        """The process group goes (the run is over, or ended before its loop: bad input): nothing more
+        is counted, and a run without a process group in this process starts afresh."""
+        self.session_ends()
+        self._in_run = False
+
     def step_starts(self, step: int) -> None:
         self.stop_counting()
         if step == self._step_to_count and self._in_loop:
