@@ -242,3 +242,15 @@ def test_what_the_fake_backend_cannot_run_is_refused_with_the_reason(impl, world
     shape = GPTShape(layers=30, hidden=64, heads=8, vocab=1000, seq=16) if impl == "pipeline" else SMALL
     with pytest.raises(ValueError, match=why):
         simulate(impl, world_size, shape, rank=rank, options=options)
+
+
+def test_a_zero3_simulation_leaves_torch_as_it_found_it():
+    """DeepSpeed's ZeRO-3 replaces F.linear for the whole process: after a simulation it is torch's own
+    again, or every later model in this process (a DDP test's) would compute its Linear gradients
+    through DeepSpeed's wrapper, in another order (other DDP buckets)."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    linear = torch.nn.functional.linear
+    check("deepspeed_zero", 8, SMALL, 0, ["--zero-stage", "3"])
+    assert torch.nn.functional.linear is linear

@@ -588,6 +588,10 @@ def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> 
     stage = cfg.strategy.zero_stage
     local_rank = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"  # read by DeepSpeed's checks (one device per process)
+    # DeepSpeed's ZeRO-3 replaces F.linear for the whole process (by its zero3_linear_wrap, whose backward
+    # readies a Linear's gradients in another order: a later DDP in this process then builds other
+    # buckets). A run's own process may keep it; one simulation among others must not.
+    linear = torch.nn.functional.linear
     deepspeed = module.init_deepspeed(cfg, device, "fake")
     try:
         model = gpt(shape.config())
@@ -606,6 +610,7 @@ def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> 
                     engine.step()
     finally:
         deepspeed.comm.destroy_process_group()  # and DeepSpeed's own references to its groups
+        torch.nn.functional.linear = linear
         if local_rank is None:
             os.environ.pop("LOCAL_RANK")
         else:

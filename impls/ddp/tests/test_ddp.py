@@ -487,7 +487,7 @@ def test_two_gpus_match_single(single_train, tmp_path):
         (3, ["--model", "gpt", "--bucket-cap-mb", "0.05"]),  # several buckets
         (2, ["--model", "lenet", "--comm-hook", "bf16"]),  # half the bytes
         (2, ["--model", "lenet", "--comm-hook", "bf16", "--precision", "fp64"]),  # a quarter
-        (2, ["--model", "resnet18", "--grad-accum", "2"]),  # BatchNorm buffers: broadcast each forward
+        (2, ["--model", "resnet18", "--grad-accum", "2", "--global-batch-size", "8"]),  # BatchNorm buffers
     ],
     ids=["w2", "w3-accum", "w3-gpt-buckets", "w2-bf16", "w2-bf16-fp64", "w2-resnet-buffers"],
 )

@@ -437,7 +437,10 @@ COST_CASES = {  # ranks, options: every schedule at 2 ranks, 4-rank pipelines, a
         4,
         ["--model", "gpt", "--gpt-layers", "6", "--schedule", "interleaved-1f1b", "--microbatches", "8"],
     ),
-    "dp2xp2-gpipe-resnet": (4, ["--model", "resnet18", "--dp", "2", "--schedule", "gpipe"]),  # buffers
+    "dp2xp2-gpipe-resnet": (
+        4,
+        ["--model", "resnet18", "--dp", "2", "--schedule", "gpipe", "--global-batch-size", "8"],
+    ),
 }
 
 
