@@ -54,7 +54,7 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, fail, positive_int, under_torchrun
 from distref.cost import Predicted
-from distref.cost.activations import one_stage_order, pipeline_rank
+from distref.cost.activations import Action, one_stage_order, pipeline_rank
 from distref.cost.memory import replicated
 from distref.cost.pipeline import pipeline as pipeline_communication
 from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
@@ -465,8 +465,8 @@ def record_the_bubble(
 
 def schedule_order(
     schedule: PipelineScheduleSingle | PipelineScheduleMulti, mesh: PipelineMesh, options: PipelineOptions
-) -> list[tuple[str, int]]:
-    """This rank's work in a step, in order, as (kind, stage): "F" forward, "B" full backward, "I" and
+) -> list[Action]:
+    """This rank's work in a step, in order, as (kind, stage, micro-batch): "F" forward, "B" full backward, "I" and
     "W" a backward split into its input- and weight-gradient passes. The multi-stage schedules hold it
     (`pipeline_order`; DualPipeV's overlapped forward-backward pairs as their parts); GPipe and 1F1B
     follow their rule (distref.cost.activations.one_stage_order)."""
@@ -476,7 +476,7 @@ def schedule_order(
     order = []
     for action in schedule.pipeline_order[mesh.pp_rank]:
         for part in (action.sub_actions or (action,)) if action is not None else ():
-            order.append((part.computation_type.value, part.stage_index))
+            order.append((part.computation_type.value, part.stage_index, part.microbatch_index))
     return order
 
 

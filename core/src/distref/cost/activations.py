@@ -22,7 +22,7 @@ resnet18 (C×H×W images; a 3×3 stem of 64 channels, four layers of two BasicBl
             for a downsampling block's BatchNorm; per forward e·2·C' per BatchNorm (batch mean and
             inverse std), and once e·2·C' (its running mean and variance: buffers, the same tensors in
             every micro-batch)
-    head    e·512 (the average pool's output, the Linear's input)
+    head    e·512 (the average pool's output, the Linear's input; the pool, a mean, saves nothing)
 the loss  e·(classes per sample, or s·V) for log-softmax's output, 8 (or 8·s) for the target, and e per
           forward (nll_loss's total weight)
 With activation checkpointing a block keeps only its input (the rest is recomputed in backward).
@@ -30,9 +30,10 @@ With activation checkpointing a block keeps only its input (the rest is recomput
 A pipeline stage holds its blocks' bytes per micro-batch (its first block's input is the activation it
 received), the loss on the last stage, times the micro-batches in flight: M for GPipe (every forward
 before any backward), min(M, p − s) on stage s for 1F1B (GPipe arXiv 1811.06965; PipeDream-Flush /
-Megatron-LM arXiv 2104.04473 §2.2); the multi-stage schedules by their own order of work (`held_in_order`:
-interleaved 1F1B). The schedules that split the backward (zero-bubble, ZBV, DualPipeV) and mixed precision
-(autocast keeps some inputs in bf16, some in fp32) have no formula yet: the functions return None.
+Megatron-LM arXiv 2104.04473 §2.2); the multi-stage schedules by their own order of work (`held_in_order`),
+those that split the backward (zero-bubble, ZBV, DualPipeV) freeing part at each pass (`stage_holdings`).
+Mixed precision (autocast keeps some inputs in bf16, some in fp32) has no formula yet: the functions
+return None.
 """
 
 from __future__ import annotations
@@ -58,16 +59,20 @@ class Block:
     per_forward: int = 0
     once: int = 0  # buffers saved for backward (BatchNorm's running statistics): the same tensors however
     # many micro-batches are in flight
+    after_weights: int = 0  # per sample, of `own`: what the ops after the block's last weighted op save
+    # (a split backward's input-gradient pass lets it go: `stage_holdings`)
 
 
 def lenet_blocks(e: int, checkpointed: bool) -> list[Block]:
     inputs = [e * 784, e * 10 * 12 * 12, e * 20 * 4 * 4, e * 50]  # the image; each ReLU's output
     if checkpointed:  # each block keeps its input alone: its own, the previous block keeps nothing
         return [Block(0, inputs[i]) for i in range(4)]
+    conv1 = e * 10 * 24 * 24 + INDEX_BYTES * 10 * 12 * 12 + inputs[1]  # max-pool's and ReLU's: after the conv
+    conv2 = e * 20 * 8 * 8 + INDEX_BYTES * 20 * 4 * 4 + inputs[2]
     return [
-        Block(inputs[0], e * 10 * 24 * 24 + INDEX_BYTES * 10 * 12 * 12 + inputs[1]),
-        Block(inputs[1], e * 20 * 8 * 8 + INDEX_BYTES * 20 * 4 * 4 + inputs[2]),
-        Block(inputs[2], inputs[3]),
+        Block(inputs[0], conv1, after_weights=conv1),
+        Block(inputs[1], conv2, after_weights=conv2),
+        Block(inputs[2], inputs[3], after_weights=inputs[3]),  # ReLU's output
         Block(inputs[3], 0),
     ]
 
@@ -86,7 +91,9 @@ def resnet18_blocks(input_shape: tuple[int, int, int], e: int, checkpointed: boo
     channels, height, width = input_shape
     inputs, blocks = [e * channels * height * width], []
     stem_out = 64 * height * width
-    blocks.append(Block(inputs[0], e * 2 * stem_out, per_forward=e * 2 * 64, once=e * 2 * 64))
+    statistics = e * 2 * 64  # its BatchNorm's: batch mean and inverse std; running mean and variance
+    # (after_weights: the in-place ReLU after the last BatchNorm, of the stem and of each layer)
+    blocks.append(Block(inputs[0], e * 2 * stem_out, statistics, statistics, after_weights=e * stem_out))
     inputs.append(e * stem_out)
     in_channels = 64
     for out_channels, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
@@ -102,9 +109,12 @@ def resnet18_blocks(input_shape: tuple[int, int, int], e: int, checkpointed: boo
             own += e * pixels * (4 + (1 if downsample else 0))
             per_forward += e * 2 * out_channels * batch_norms
             in_channels = out_channels
-        blocks.append(Block(inputs[-1], own, per_forward=per_forward, once=per_forward))
         inputs.append(e * out_channels * height * width)
-    blocks.append(Block(inputs[-1], e * 512))  # average pool saves its input; the Linear its output
+        blocks.append(
+            Block(inputs[-2], own, per_forward=per_forward, once=per_forward, after_weights=inputs[-1])
+        )
+    # The average pool (a mean over H×W: MeanBackward) saves nothing of its input; the Linear saves its input
+    blocks.append(Block(0, e * 512))
     if checkpointed:  # each block keeps its input alone
         return [Block(0, size) for size in inputs]
     return blocks
@@ -154,19 +164,25 @@ def model_blocks(
     return None
 
 
-def one_stage_order(
-    schedule: str, micro_batches: int, stages: int, stage: int
-) -> list[tuple[str, int]] | None:
+Action = tuple[str, int, int]  # a pipeline rank's unit of work: (kind, stage, micro-batch)
+
+
+def one_stage_order(schedule: str, micro_batches: int, stages: int, stage: int) -> list[Action] | None:
     """The order of a one-stage-per-rank schedule's work on stage `stage` of `stages`, M micro-batches:
     GPipe every forward, then every backward (GPipe arXiv 1811.06965); 1F1B p − s forwards (at most M),
     then one backward and one forward in turn, then the last backwards (PipeDream-Flush, Megatron-LM
     arXiv 2104.04473 §2.2). The multi-stage schedules give their own order (`pipeline_order`)."""
     m = micro_batches
     if schedule == "gpipe":
-        return [("F", stage)] * m + [("B", stage)] * m
+        return [("F", stage, i) for i in range(m)] + [("B", stage, i) for i in range(m)]
     if schedule == "1f1b":
         warmup = min(m, stages - stage)
-        return [("F", stage)] * warmup + [("B", stage), ("F", stage)] * (m - warmup) + [("B", stage)] * warmup
+        steady = [action for i in range(m - warmup) for action in (("B", stage, i), ("F", stage, warmup + i))]
+        return (
+            [("F", stage, i) for i in range(warmup)]
+            + steady
+            + [("B", stage, i) for i in range(m - warmup, m)]
+        )
     return None
 
 
@@ -222,19 +238,71 @@ def predicted_for_run(cfg: RunConfig, info, replicas: int = 1) -> int | None:
     return stage_bytes(*found, micro_batch) if found else None
 
 
-def held_in_order(actions: Sequence[tuple[str, int]], per_microbatch: dict[int, int]) -> int | None:
-    """The most activations a rank holds running its schedule's `actions` in order, each (kind, stage): a
-    forward ("F") adds its stage's `per_microbatch` bytes, a full backward ("B") lets them go; the peak
-    comes at the end of a forward. A backward split in two (the zero-bubble schedules: "I", the input
-    gradient, then later "W", the weight gradient) frees part of them at each: no formula (None) — the
-    measured figures lie between the order's peak with frees at "W" and with frees at "I"."""
-    if any(kind not in ("F", "B") for kind, _ in actions):
-        return None
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A stage's bytes saved for backward, per micro-batch: `tensor` names them (two stages on one rank
+    that both save the same tensor name it alike: it counts once, until both let go), `until` is the
+    backward pass that lets them go: "I" (the input gradient) or "W" (the weight gradient), both at a
+    full backward "B"."""
+
+    tensor: str
+    bytes: int
+    until: str
+
+
+def held_in_order(actions: Sequence[Action], holdings: dict[int, list[Held]]) -> int:
+    """The most activations a rank holds running its schedule's `actions` in order, each (kind, stage,
+    micro-batch): a forward ("F") saves its stage's `holdings`, a full backward ("B") lets them go, a
+    backward split in two (the zero-bubble schedules, arXiv 2401.10241: "I" the input gradient, later "W"
+    the weight gradient) lets go at each of the holdings it frees. The peak comes at the end of a forward."""
+    holders: dict[tuple[str, int], int] = {}  # (tensor, micro-batch) → how many stages hold it
     held = peak = 0
-    for kind, stage in actions:
-        held += per_microbatch[stage] if kind == "F" else -per_microbatch[stage]
+    for kind, stage, micro_batch in actions:
+        if kind not in ("F", "B", "I", "W"):
+            raise ValueError(f"unknown action {kind!r}: F, B, I or W")
+        for item in holdings[stage]:
+            key = (item.tensor, micro_batch)
+            if kind == "F":
+                holders[key] = holders.get(key, 0) + 1
+                held += item.bytes if holders[key] == 1 else 0
+            elif kind == "B" or kind == item.until:
+                holders[key] -= 1
+                held -= item.bytes if holders[key] == 0 else 0
         peak = max(peak, held)
     return peak
+
+
+def stage_holdings(
+    blocks: list[Block],
+    loss: Loss | None,
+    micro_batch: int,
+    stage: int,
+    previous_here: bool,
+    next_saves: int,
+) -> list[Held]:
+    """What pipeline stage `stage` (`blocks`, the `loss` if it is the last) saves per micro-batch, as
+    torch.distributed.pipelining's split backward lets it go (`stage_backward_input`): the input-gradient
+    pass keeps autograd's graph from each weighted op down, for the weight gradients, and lets go of what
+    the ops after the stage's last weighted op saved (the last block's `after_weights`, and the loss). The
+    first stage, whose input needs no gradient, does its whole backward in the weight-gradient pass.
+    With the previous stage on this rank, the stage's input is the tensor that stage saved; with the next,
+    `next_saves` (per sample) of what this one saved after its weights is that stage's input: torch passes
+    it on without a copy."""
+    let_go = "W" if stage == 0 else "I"
+    received = micro_batch * blocks[0].input  # saved by the first block, kept for its weight gradient
+    after_weights = micro_batch * blocks[-1].after_weights
+    after_weights += micro_batch * loss.per_sample + loss.per_forward if loss is not None else 0
+    rest = stage_bytes(blocks, loss, micro_batch) - sum(b.once for b in blocks) - received - after_weights
+    holdings = [
+        Held(f"{stage - 1}->{stage}" if previous_here else f"input of {stage}", received, "W"),
+        Held(f"kept by {stage}", rest, "W"),
+        Held(f"after the weights of {stage}", after_weights, let_go),
+    ]
+    if next_saves:  # the next stage's input, as saved here (a part of `after_weights`)
+        sent = micro_batch * next_saves
+        holdings[-1] = dataclasses.replace(holdings[-1], bytes=after_weights - sent)
+        holdings.append(Held(f"{stage}->{stage + 1}", sent, let_go))
+    return holdings
 
 
 def part_bytes(
@@ -263,7 +331,7 @@ def pipeline_rank(
     info,
     gpt_layers: int,
     bounds: list[tuple[int, int]],
-    actions: Sequence[tuple[str, int]] | None,
+    actions: Sequence[Action] | None,
     micro_batch: int,
     precision: str,
     checkpointed: bool,
@@ -275,11 +343,16 @@ def pipeline_rank(
     if found is None or actions is None:  # (no formula, or a schedule whose order is not known)
         return None
     blocks, loss = found
-    per_microbatch, once = {}, 0
-    for stage in sorted({stage for _, stage in actions}):
+    mine = sorted({stage for _, stage, _ in actions})
+    holdings, once = {}, 0
+    for stage in mine:
         first, last = bounds[stage]
-        mine, its_loss = blocks[first:last], loss if last == len(blocks) else None
-        per_microbatch[stage] = stage_bytes(mine, its_loss, micro_batch) - sum(b.once for b in mine)
-        once += sum(b.once for b in mine)
-    held = held_in_order(actions, per_microbatch)
-    return None if held is None else held + once
+        next_saves = blocks[last].input if stage + 1 in mine else 0
+        if next_saves > blocks[last - 1].after_weights:
+            raise ValueError(f"block {last}'s input is not what block {last - 1}'s last ops saved")
+        its_loss = loss if last == len(blocks) else None
+        holdings[stage] = stage_holdings(
+            blocks[first:last], its_loss, micro_batch, stage, stage - 1 in mine, next_saves
+        )
+        once += sum(block.once for block in blocks[first:last])
+    return held_in_order(actions, holdings) + once

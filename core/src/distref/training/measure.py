@@ -122,7 +122,12 @@ class _Saved:
     __slots__ = ("key", "meter", "nbytes", "tensor")
 
     def __init__(self, tensor: torch.Tensor, local: torch.Tensor, meter: SavedActivations):
-        self.tensor, self.meter, self.nbytes = tensor, meter, local.numel() * local.element_size()
+        # Detached: a saved output's grad_fn holds this object, which must not hold the grad_fn back (a
+        # cycle through C++ that no garbage collector breaks: with retain_graph, as a split backward's
+        # input-gradient pass runs, the tensor would never be freed). Autograd restores the grad_fn on
+        # unpacking.
+        self.tensor, self.meter = tensor.detach(), meter
+        self.nbytes = local.numel() * local.element_size()
         self.key = (local.untyped_storage().data_ptr(), local.storage_offset(), self.nbytes)
         meter.holders[self.key] = meter.holders.get(self.key, 0) + 1
         if meter.holders[self.key] == 1:
