@@ -117,6 +117,35 @@ def test_compare_runs_each_impl_and_builds_the_report(compared):
     assert_rendered_html(out / "report.html", report)
 
 
+def test_the_plan_equals_what_the_compare_runs_measured(compared, capsys):
+    """`python -m distref.plan --validate`, the closed loop, on compare's runs (single, and ddp at 2 ranks):
+    the plan for the same model, layout and batch gives their rank 0's model states, activations and one
+    step's communication exactly (fp32: the impls' own formulas, proven against measurement), and the
+    utilisation of the CPU's peak their step time implies."""
+    from distref import plan
+
+    out, _ = compared
+    assert plan.main(["--validate", str(out / "single"), str(out / "ddp"), "--json"]) == 0
+    results = {r["impl"]: r for r in json.loads(capsys.readouterr().out)}
+    assert results["single"]["layout"] == "ddp dp1" and results["ddp"]["layout"] == "ddp dp2"
+    for result in results.values():
+        for quantity in ("model_states", "activations"):
+            measured, planned = result[quantity]
+            assert measured > 0 and planned == measured, (result["impl"], quantity)
+        assert result["step_s"][0] > 0 and 0 < result["implied_mfu"] < 1
+    assert results["single"]["communication_bus_bytes"] == [0, 0]
+    measured, planned = results["ddp"]["communication_bus_bytes"]
+    assert measured > 0 and planned == pytest.approx(measured, rel=1e-12)
+    text = plan.render_validation(list(results.values()))
+    assert text.count("(1.000×)") >= 5 and "implied MFU" in text
+    _, stdout = compared  # compare prints it after every comparison, and keeps it beside the report
+    assert (
+        "plan: measured vs planned" in stdout
+        and f"{out / 'ddp'} (ddp, ddp dp2, rank 0): model states " in stdout
+    )
+    assert json.loads((out / "plan_validation.json").read_text()) == list(results.values())
+
+
 class _PageText(html.parser.HTMLParser):
     """What a browser shows of a page (text outside tags, but no <style>) and the tags it has."""
 

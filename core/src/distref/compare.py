@@ -212,6 +212,19 @@ def main(argv: list[str] | None = None) -> None:
         verdict = check.get("refused") or check.get("error") or f"{check['difference']:.1e}"
         print(f"  {impl} ×{world} vs {check['oracle']} ({check['precision']}): {verdict}", flush=True)
 
+    # The planner beside each run (python -m distref.plan --validate): its formulas checked on every
+    # machine compare runs on
+    from distref.plan import PlanError, render_validation
+    from distref.plan import validate as validate_plan
+
+    recorded = [run_dir for _, _, _, run_dir, _ in plans if (run_dir / "record.json").exists()]
+    try:
+        validation = validate_plan(recorded)
+        (out / "plan_validation.json").write_text(json.dumps(validation, indent=1) + "\n")
+        print(f"\nplan: {render_validation(validation)}", flush=True)
+    except PlanError as e:
+        print(f"\nplan: not validated: {e}", flush=True)
+
     report = build_report([run_dir for _, _, _, run_dir, _ in plans], out, not_run=not_run)
     print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report.resolve()}")
     failed = failed_runs([(impl, run_dir) for impl, _, _, run_dir, _ in plans])

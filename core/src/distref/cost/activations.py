@@ -336,13 +336,24 @@ def pipeline_rank(
     precision: str,
     checkpointed: bool,
 ) -> int | None:
-    """A pipeline rank running `actions` (its schedule's order: (kind, stage)) on its stages, the blocks
-    bounds[stage] of the model's each: the most micro-batches' activations it holds at once
-    (`held_in_order`), and once each stage's saved buffers."""
+    """A pipeline rank of one of this project's models (`held_in_rank`), or None where there is no formula
+    or the schedule's order is not known."""
     found = formula_for(model, info, gpt_layers, precision, checkpointed)
-    if found is None or actions is None:  # (no formula, or a schedule whose order is not known)
+    if found is None or actions is None:
         return None
-    blocks, loss = found
+    return held_in_rank(*found, bounds, actions, micro_batch)
+
+
+def held_in_rank(
+    blocks: list[Block],
+    loss: Loss,
+    bounds: Sequence[tuple[int, int]],
+    actions: Sequence[Action],
+    micro_batch: int,
+) -> int:
+    """A pipeline rank running `actions` (its schedule's order: (kind, stage, micro-batch)) on its stages,
+    the blocks bounds[stage] of the model's `blocks` each: the most micro-batches' activations it holds at
+    once (`held_in_order`), and once each stage's saved buffers."""
     mine = sorted({stage for _, stage, _ in actions})
     holdings, once = {}, 0
     for stage in mine:

@@ -19,15 +19,38 @@ from collections.abc import Sequence
 K_MIXED_PRECISION_ADAM = 12  # fp32 master parameters, momentum, variance: 4 + 4 + 4 bytes per parameter
 
 
+def mixed_precision(
+    parameters: float,
+    *,
+    parameters_over: int = 1,
+    gradients_over: int = 1,
+    optimizer_over: int = 1,
+    k: int = K_MIXED_PRECISION_ADAM,
+) -> dict[str, float]:
+    """Bytes of model states per GPU in the paper's mixed precision, each term divided by the ranks that
+    share it: 16-bit parameters (2Ψ), 16-bit gradients (2Ψ), the optimizer's fp32 states (KΨ)."""
+    return {
+        "parameters": 2 * parameters / parameters_over,
+        "gradients": 2 * parameters / gradients_over,
+        "optimizer": k * parameters / optimizer_over,
+    }
+
+
+ZERO_PARTITIONS = {  # what each ZeRO stage partitions: (parameters, gradients, optimizer states)
+    0: (False, False, False),
+    1: (False, False, True),
+    2: (False, True, True),
+    3: (True, True, True),
+}
+
+
 def zero_paper(parameters: float, data_parallel: int, stage: int, k: int = K_MIXED_PRECISION_ADAM) -> float:
     """Bytes of model states per GPU under ZeRO stage 0-3 with mixed-precision Adam (the paper's formula)."""
-    psi, n = parameters, data_parallel
-    return {
-        0: (2 + 2 + k) * psi,
-        1: 2 * psi + 2 * psi + k * psi / n,
-        2: 2 * psi + (2 + k) * psi / n,
-        3: (2 + 2 + k) * psi / n,
-    }[stage]
+    over = [data_parallel if partitioned else 1 for partitioned in ZERO_PARTITIONS[stage]]
+    states = mixed_precision(
+        parameters, parameters_over=over[0], gradients_over=over[1], optimizer_over=over[2], k=k
+    )
+    return sum(states.values())
 
 
 def optimizer_state_bytes(parameter_bytes: Sequence[int], optimizer: str, step_bytes: int = 4) -> int:

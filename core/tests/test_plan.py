@@ -1,0 +1,216 @@
+"""python -m distref.plan: the ZeRO paper's example, the plan against the fake process group at 64 ranks
+(--simulate), the mesh search, the ranking, and bad input in one line. Against measured runs (--validate,
+on the compare runs): core/tests/test_report_and_compare.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distref import plan
+from distref.distributed.partition import balanced_cut_points, part_bounds
+from distref.models import gpt
+from distref.testing.runs import load_train_module
+
+
+def run_plan(capsys, *argv: str) -> tuple[int, str]:
+    code = plan.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_the_interface_reproduces_the_zero_paper_example(capsys):
+    """7.5B parameters, 64 GPUs, mixed-precision Adam: 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stages
+    0-3 (Rajbhandari et al., Figure 1) — from `--params N --gpus G --json`, the interface the checks use."""
+    code, out = run_plan(capsys, "--params", "7500000000", "--gpus", "64", "--json")
+    assert code == 0
+    rows = {row["strategy"]: row for row in json.loads(out)}
+    states = {name: rows[name]["memory_per_gpu_bytes"]["model_states"] for name in rows}
+    assert states["ddp"] == 120e9
+    assert states["zero1"] == 31.40625e9 and states["zero2"] == 16.640625e9 and states["zero3"] == 1.875e9
+    assert states["fsdp"] == states["zero3"]
+    assert states["zero2-offload"] == 2 * 7.5e9 + 2 * 7.5e9 / 64  # the optimizer's 12Ψ/N on the CPU
+    assert rows["zero2-offload"]["cpu_bytes"] == 12 * 7.5e9 / 64
+    assert all(
+        row["memory_per_gpu_bytes"]["total"] == row["memory_per_gpu_bytes"]["model_states"]
+        for row in rows.values()
+    )
+    assert not rows["ddp"]["fits"] and rows["zero1"]["fits"]  # 120 GB on an 80 GB H100
+    ranked = json.loads(out)
+    assert ranked[-1]["strategy"] == "ddp"  # what does not fit comes last
+
+
+def test_simulate_runs_the_planned_sharding_at_64_ranks(capsys):
+    """A 1.3B decoder on 64 GPUs, fp32: the best FSDP row, run through impls/fsdp's own sharding as rank 0 of
+    64 on the fake process group, holds and communicates what the plan says, exactly."""
+    model = plan.decoder("1.3b", plan.MODELS["1.3b"])
+    cluster = plan.Cluster(plan.GPUS["h100-80gb"], 64)
+    training = plan.Training(64, 1, "fp32", "adamw", False, 0.4)
+    made = plan.make_plan(model, cluster, training)
+    fsdp = next(row for row in made.rows if row.strategy == "fsdp")
+    said = plan.simulate_row(made, fsdp)
+    states = fsdp.memory_per_gpu_bytes["model_states"]
+    communication = sum(fsdp.communication_bytes.values())
+    assert f"model states {int(states):,} B, plan (fp32) {states:,.0f} B" in said, said
+    assert f"communication {communication:,.0f} bus bytes per step, plan {communication:,.0f}" in said, said
+
+
+def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
+    model = plan.decoder("7b", plan.MODELS["7b"])
+    found, skipped = plan.layouts(model, plan.Cluster(plan.GPUS["h100-80gb"], 32))
+    meshes = {(layout.strategy, layout.dp, layout.tp, layout.pp) for layout in found}
+    assert {("tp", 16, 2, 1), ("tp", 8, 4, 1), ("tp", 4, 8, 1)} <= meshes
+    assert ("pp-1f1b", 1, 1, 32) in meshes and ("pp-zbv", 2, 1, 16) in meshes and ("hsdp", 32, 1, 1) in meshes
+    reasons = dict(skipped)
+    assert "beyond a node's 8 GPUs" in reasons["tp16"] and reasons["pp32-zbv"] == "64 stages of 34 blocks"
+    _, skipped = plan.layouts(plan.parameters_only(10**9), plan.Cluster(plan.GPUS["a100-40gb"], 8))
+    assert "needs a decoder's shape" in dict(skipped)["tp"]
+
+
+def test_a_pipeline_s_memory_follows_its_schedule():
+    """The fullest pipeline rank r holds M micro-batches of its stage under GPipe, min(M, p − r) under 1F1B
+    (GPipe arXiv 1811.06965; PipeDream-Flush), and the bubble costs (p − 1)/M of compute."""
+    model = plan.decoder("1.3b", plan.MODELS["1.3b"])
+    cluster = plan.Cluster(plan.GPUS["h100-80gb"], 8)
+    training = plan.Training(32, 1, "fp32", "adamw", False, 0.4)
+    blocks, loss = model.formula(4, False)
+    bounds = plan.minimax_cut(model.block_parameters, 8)
+
+    def stage(r: int) -> int:  # one micro-batch's activations on stage r
+        first, last = bounds[r]
+        return plan.act.stage_bytes(blocks[first:last], loss if r == 7 else None, 1)
+
+    for schedule, in_flight in (("gpipe", lambda r: 32), ("1f1b", lambda r: min(32, 8 - r))):
+        row = plan.cost(plan.Layout(f"pp-{schedule}", dp=1, pp=8), model, cluster, training)
+        r = row.pipeline_rank
+        assert row.memory_per_gpu_bytes["activations"] == in_flight(r) * stage(r), schedule
+        compute = plan.step_flops(model, training, 8) / (plan.GPUS["h100-80gb"].peak_flops["fp32"] * 0.4)
+        assert row.compute_s == pytest.approx(compute * (1 + 7 / 32))
+
+
+def test_the_decoder_flops_formula_agrees_with_torch_s_counter():
+    """PaLM's 6N + 12·L·h·s per token against FlopCounterMode on the same decoder (meta device): within 2%
+    (the counter leaves out layer norms and biases, and counts attention as SDPA does)."""
+    for shape in (plan.PRESETS["gpt-tiny"], plan.GPTShape(4, 256, 8, 1000, 128)):
+        with torch.device("meta"):
+            module = gpt(shape.config())
+        counted = plan.flops_measured(module, (shape.seq,), tokens=True)
+        assert plan.decoder("x", shape).flops_per_sample == pytest.approx(counted, rel=0.02)
+
+
+def test_the_balanced_cut_is_the_impls_by_dynamic_programming():
+    """The largest part as small as impls/pipeline's cut by trying every cut makes it."""
+    sizes = [5, 1, 9, 2, 2, 7, 3, 8]
+    for parts in range(1, len(sizes) + 1):
+        bounds = plan.minimax_cut(sizes, parts)
+        assert [a for a, _ in bounds] == [0, *(z for _, z in bounds[:-1])] and bounds[-1][1] == len(sizes)
+        theirs = (
+            part_bounds(balanced_cut_points(sizes, parts), len(sizes)) if parts > 1 else [(0, len(sizes))]
+        )
+        assert max(sum(sizes[a:z]) for a, z in bounds) == max(sum(sizes[a:z]) for a, z in theirs)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "dualpipev"])
+def test_schedule_orders_are_torch_s_own(schedule):
+    """The planner builds each schedule's order without the send/recv pass torch adds for a real run:
+    the compute order is the one a fully built schedule holds (impls/pipeline's `schedule_order`)."""
+    orders = plan.schedule_orders(schedule, 2, 4)
+    pipeline = load_train_module("pipeline")
+    with plan.order_world(2):
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [
+            PipelineStage(torch.nn.Linear(1, 1), i, 4, torch.device("cpu"))
+            for i in pipeline.stage_indices(schedule, 0, 2, 2)
+        ]
+        built = pipeline.SCHEDULES[schedule](stages, 4, loss_fn=lambda out, target: out.sum())
+        mesh = pipeline.PipelineMesh(2, 2, None, None, pp_rank=1, dp_rank=0, owner=[], my_stages=[])
+        options = pipeline.PipelineOptions(schedule, 4, 2, 1, None)
+        assert orders[1] == pipeline.schedule_order(built, mesh, options)
+
+
+def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
+    code, out = run_plan(capsys, "--model", "70b", "--gpu", "a100-40gb", "--gpus", "8")
+    assert code == 0
+    assert "Nothing fits on 8 GPUs. The smallest cluster that would: " in out
+    gpus = int(out.split("The smallest cluster that would: ")[1].split()[0])
+    model, training = (
+        plan.decoder("70b", plan.MODELS["70b"]),
+        plan.Training(256, 1, "mixed", "adamw", False, 0.4),
+    )
+    bigger = plan.make_plan(model, plan.Cluster(plan.GPUS["a100-40gb"], gpus), training)
+    smaller = plan.make_plan(model, plan.Cluster(plan.GPUS["a100-40gb"], gpus // 2), training)
+    assert bigger.rows[0].fits and not smaller.rows[0].fits
+    # 70B in fp32 at 4096 tokens keeps 172 GB of activations per sequence: no cluster of 24 GB L4s holds it
+    code, out = run_plan(capsys, "--model", "70b", "--gpu", "l4", "--gpus", "8", "--precision", "fp32")
+    assert code == 0 and "Nothing fits, on any cluster" in out and "--activation-checkpointing" in out
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--model", "8b"], "unknown model '8b'"),
+        (["--model", "7b", "--gpu", "v100"], "unknown GPU 'v100'"),
+        (["--model", "7b", "--gpus", "12"], "12 GPUs do not fill nodes of 8"),
+        (["--params", "-5"], "must be a positive integer"),
+        (["--model", "7b", "--mfu", "1.5"], "a fraction of the peak"),
+        (["--model", "7b", "--params", "10"], "give --model NAME or --params N"),
+        (["--model", "nowhere.module:build"], "cannot import 'build' from 'nowhere.module'"),
+        (["--params", "1000", "--global-batch", "4"], "no layout can run"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, said):
+    done = subprocess.run(
+        [sys.executable, "-m", "distref.plan", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and said in lines[0], done.stderr
+
+
+def test_project_models_and_any_module_are_planned(capsys, tmp_path, monkeypatch):
+    """lenet with its proven activation formula; an nn.Module given as module:function, built on the meta
+    device, with FLOPs counted by torch (its activations: no formula, said)."""
+    code, out = run_plan(
+        capsys, "--model", "lenet", "--gpu", "cpu", "--gpus", "2", "--global-batch", "64", "--json"
+    )
+    assert code == 0
+    ddp = next(row for row in json.loads(out) if row["strategy"] == "ddp")
+    lenet = plan.project_model("lenet")
+    assert (ddp["micro_batch"], ddp["grad_accum"]) == (1, 32)  # 64 = 2 ranks × 1 sample × 32 micro-steps
+    assert ddp["memory_per_gpu_bytes"]["activations"] == plan.act.stage_bytes(*lenet.formula(2, False), 1)
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(1000, 4000), torch.nn.Linear(4000, 10))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out = run_plan(
+        capsys, "--model", "mymodel:build", "--sample-shape", "1000", "--gpus", "8", "--json"
+    )
+    rows = json.loads(out)
+    assert code == 0 and rows[0]["memory_per_gpu_bytes"]["activations"] is None
+    model = plan.resolve_model(plan.parse_args(["--model", "mymodel:build", "--sample-shape", "1000"]))
+    # counted: forward 2·N, weight gradients 2·N, and the input gradient of the second layer only (the
+    # sample needs none): 6N's rule of thumb would say 24.2M
+    weights = 1000 * 4000 + 4000 * 10
+    assert model.flops_per_sample == 2 * weights + 2 * weights + 2 * 4000 * 10
+
+
+def test_the_plot_is_drawn(tmp_path, capsys):
+    from matplotlib.image import imread
+
+    code, _ = run_plan(capsys, "--model", "125m", "--gpus", "8", "--plot", str(tmp_path / "plan.png"))
+    height, width, _ = imread(tmp_path / "plan.png").shape
+    assert code == 0 and width > 1000 and height > 500
+
+
+def test_every_ranked_row_fits_before_any_that_does_not(capsys):
+    code, out = run_plan(capsys, "--model", "13b", "--nodes", "2", "--json")
+    rows = json.loads(out)
+    fits = [row["fits"] for row in rows]
+    assert code == 0 and fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    fitting = [row["tokens_per_s_per_gpu"] for row in rows if row["fits"]]
+    assert all(float(f"{a:.3g}") >= float(f"{b:.3g}") for a, b in itertools.pairwise(fitting))
