@@ -57,6 +57,9 @@ def test_simulate_runs_the_planned_sharding_at_64_ranks(capsys):
     communication = sum(fsdp.communication_bytes.values())
     assert f"model states {int(states):,} B, plan (fp32) {states:,.0f} B" in said, said
     assert f"communication {communication:,.0f} bus bytes per step, plan {communication:,.0f}" in said, said
+    # DDP's simulation builds real tensors: 23 GB of a 1.3B model's are refused, not allocated
+    ddp = next(row for row in made.rows if row.strategy == "ddp")
+    assert "too much to build here" in plan.simulate_row(made, ddp)
 
 
 def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
@@ -66,7 +69,10 @@ def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
     assert {("tp", 16, 2, 1), ("tp", 8, 4, 1), ("tp", 4, 8, 1)} <= meshes
     assert ("pp-1f1b", 1, 1, 32) in meshes and ("pp-zbv", 2, 1, 16) in meshes and ("hsdp", 32, 1, 1) in meshes
     reasons = dict(skipped)
-    assert "beyond a node's 8 GPUs" in reasons["tp16"] and reasons["pp32-zbv"] == "64 stages of 34 blocks"
+    assert (
+        "beyond a node's 8 GPUs" in reasons["tp16"]
+        and reasons["pp32-zbv"] == "more stages than the model's 34 blocks"
+    )
     _, skipped = plan.layouts(plan.parameters_only(10**9), plan.Cluster(plan.GPUS["a100-40gb"], 8))
     assert "needs a decoder's shape" in dict(skipped)["tp"]
 
@@ -153,7 +159,7 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
 @pytest.mark.parametrize(
     "argv, said",
     [
-        (["--model", "8b"], "unknown model '8b'"),
+        (["--model", "9b"], "unknown model '9b'"),
         (["--model", "7b", "--gpu", "v100"], "unknown GPU 'v100'"),
         (["--model", "7b", "--gpus", "12"], "12 GPUs do not fill nodes of 8"),
         (["--params", "-5"], "must be a positive integer"),
@@ -161,6 +167,7 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
         (["--model", "7b", "--params", "10"], "give --model NAME or --params N"),
         (["--model", "nowhere.module:build"], "cannot import 'build' from 'nowhere.module'"),
         (["--params", "1000", "--global-batch", "4"], "no layout can run"),
+        (["--model", "125m", "--simulate", "999"], "--simulate 999: the plan has"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, said):

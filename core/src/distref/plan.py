@@ -71,12 +71,14 @@ GiB = 2**30
 
 # Decoder presets in distref's gpt layout (pre-LN, GELU MLP of 4h, biases, learned positions, an untied
 # output layer): GPT-3's 125M and 1.3B shapes (arXiv 2005.14165, Table 2.1), Llama's 7B, 13B and 70B widths
-# and depths (arXiv 2302.13971 Table 2; 2307.09288) — in this layout 7B is 6.7B parameters, 13B 12.9B and
-# 70B 64.9B (Llama's SwiGLU and grouped-query attention are not modelled).
+# and depths (arXiv 2302.13971 Table 2; 2307.09288) and Llama 3's 8B with its vocabulary and 8,192 tokens
+# (arXiv 2407.21783) — in this layout 7B is 6.7B parameters, 8B 7.5B, 13B 12.9B and 70B 65.0B (Llama's
+# SwiGLU and grouped-query attention are not modelled).
 MODELS = {
     "125m": GPTShape(layers=12, hidden=768, heads=12, vocab=50257, seq=2048),
     "1.3b": PRESETS["gpt-1.3b"],
     "7b": PRESETS["gpt-7b"],
+    "8b": GPTShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=8192),  # Llama 3's sizes: 7.5B here
     "13b": GPTShape(layers=40, hidden=5120, heads=40, vocab=32000, seq=4096),
     "70b": GPTShape(layers=80, hidden=8192, heads=64, vocab=32000, seq=4096),
 }
@@ -376,7 +378,7 @@ def layouts(model: Model, cluster: Cluster) -> tuple[list[Layout], list[tuple[st
         for schedule in SCHEDULES:
             stages = pp * (1 if schedule in ("gpipe", "1f1b") else 2)
             if stages > blocks:
-                skipped.append((f"pp{pp}-{schedule}", f"{stages} stages of {blocks} blocks"))
+                skipped.append((f"pp{pp}-{schedule}", f"more stages than the model's {blocks} blocks"))
             else:
                 found.append(Layout(f"pp-{schedule}", dp=g // pp, pp=pp))
         if pp == g and pp <= blocks:
@@ -853,23 +855,26 @@ def make_plan(model: Model, cluster: Cluster, training: Training) -> Plan:
     rows.sort(key=rank_key)
     usable = cluster.gpu.memory_bytes - RESERVED_BYTES
     for row in rows:
-        row.why = explain(row, usable)
+        row.why = explain(row, usable, cluster)
     return Plan(model, cluster, training, rows, skipped)
 
 
 def rank_key(row: Row) -> tuple:
     """Fitting rows first, the most tokens per second per GPU first (to 3 significant digits: closer than
-    that the model cannot tell them apart), then the fewest extrapolations, then the least memory; rows
-    without a time by memory; rows that do not fit last."""
+    that the model cannot tell them apart), then the fewest extrapolations, the fewest bytes communicated
+    (the least exposed to the bandwidths assumed) and the least memory; rows without a time by memory;
+    rows that do not fit last."""
     total = row.memory_per_gpu_bytes["total"]
     if not row.fits:
         return (2, total)
     if row.tokens_per_s_per_gpu is None:
         return (1, len(row.extrapolated), total)
-    return (0, -float(f"{row.tokens_per_s_per_gpu:.3g}"), len(row.extrapolated), total)
+    speed = -float(f"{row.tokens_per_s_per_gpu:.3g}")
+    return (0, speed, len(row.extrapolated), sum(row.communication_bytes.values()), total)
 
 
-def explain(row: Row, usable: float) -> str:
+def explain(row: Row, usable: float, cluster: Cluster) -> str:
+    """One line of why: what bounds the row's step (compute, communication, memory)."""
     memory = row.memory_per_gpu_bytes
     states, activations, total = memory["model_states"], memory["activations"], memory["total"]
     held = f"{gb(states)} states" + (f" + {gb(activations)} activations" if activations is not None else "")
@@ -878,18 +883,16 @@ def explain(row: Row, usable: float) -> str:
     room = f"{gb(total)} of {gb(usable)}"
     if row.compute_s is None:
         return f"fits, {room} ({held}); no FLOPs known: time not estimated"
-    inter = row.communication_bytes["inter_node"]
+    link = max(row.communication_bytes, key=lambda k: row.communication_bytes[k] / cluster.bandwidth(k))
+    moved = row.communication_bytes[link]
+    seconds = moved / cluster.bandwidth(link)
+    where = "across nodes" if link == "inter_node" else "within the node"
     exposed = row.step_s["overlap"] - row.compute_s
-    if exposed > 0.1 * row.compute_s:
-        where = (
-            f"{gb(inter)} across nodes"
-            if inter
-            else f"{gb(row.communication_bytes['intra_node'])} in the node"
-        )
-        return (
-            f"communication-bound: {where} adds {exposed:.2f} s to {row.compute_s:.2f} s of compute; {room}"
-        )
-    return f"compute-bound: {row.compute_s:.2f} s of compute per step, communication hidden; {room}"
+    if exposed > 0.01 * row.compute_s:
+        return f"communication-bound: {gb(moved)} {where} adds {exposed:.2f} s to {row.compute_s:.2f} s of compute; {room}"
+    if not moved:
+        return f"compute-bound: {row.compute_s:.2f} s per step, nothing to communicate; {room}"
+    return f"compute-bound: {gb(moved)} {where} ({seconds:.2f} s) hides under {row.compute_s:.2f} s of compute; {room}"
 
 
 def gb(n: float | None) -> str:
@@ -978,7 +981,12 @@ def footer(plan: Plan, notes: list[str]) -> list[str]:
         "each number comes from."
     )
     if plan.skipped:
-        lines.append("Skipped: " + "; ".join(f"{what}: {why}" for what, why in plan.skipped))
+        by_reason: dict[str, list[str]] = {}
+        for what, why in plan.skipped:
+            by_reason.setdefault(why, []).append(what)
+        lines.append(
+            "Skipped: " + "; ".join(f"{', '.join(whats)}: {why}" for why, whats in by_reason.items())
+        )
     if plan.rows and not plan.rows[0].fits:
         bigger = plan.smallest_cluster()
         if bigger is None:
@@ -1204,39 +1212,52 @@ SIMULATED_IMPL = {
 }
 
 
+REAL_TENSORS_LIMIT = 2 * GiB  # model states a simulation on real tensors (DDP, DeepSpeed) may build here
+
+
+def simulation_of(layout: Layout, row: Row) -> tuple[str, list[str]] | str:
+    """(impl, its options) that run `layout` in distref.simulate, or why there is none."""
+    if layout.strategy in ("ddp", "fsdp"):
+        return layout.strategy, []
+    if layout.strategy == "hsdp":
+        return "fsdp", ["--hsdp", str(layout.dp // layout.shard)]  # (--hsdp R: the replicas)
+    if layout.strategy == "tp":
+        return "tensor_parallel", ["--tp", str(layout.tp), "--dp-shard", str(layout.dp)]
+    if layout.strategy in ("zero1", "zero2", "zero3"):
+        return "deepspeed_zero", ["--zero-stage", layout.strategy[-1]]
+    if layout.strategy.startswith("pp-"):
+        schedule = layout.strategy.removeprefix("pp-")
+        return "pipeline", [
+            "--schedule",
+            schedule,
+            "--dp",
+            str(layout.dp),
+            "--microbatches",
+            str(row.grad_accum),
+        ]
+    return f"{layout.strategy}: no simulation (distref.simulate's docstring says which impls run on it)"
+
+
 def simulate_row(plan: Plan, row: Row) -> str:
     """Rank 0 of `row`'s layout at the plan's world size, on torch's fake process group (distref.simulate):
     its model states and one step's communication measured, beside the plan's in fp32 (the impls'
     precision; the plan's mixed-precision figures are the paper's)."""
-    from distref.simulate import simulate
+    from distref.simulate import TENSORS, simulate
 
     layout = row.layout
     if plan.model.gpt is None:
         return "--simulate builds a decoder of the plan's shape: give --model 125m … 70b"
-    impl = {"fsdp": "fsdp", "hsdp": "fsdp", "tp": "tensor_parallel", "ddp": "ddp"}.get(layout.strategy)
-    options: list[str] = []
-    if layout.strategy == "hsdp":
-        options = ["--hsdp", str(layout.dp // layout.shard)]  # (--hsdp R: the replicas)
-    elif layout.strategy == "tp":
-        options = ["--tp", str(layout.tp), "--dp-shard", str(layout.dp)]
-    elif layout.strategy.startswith("zero") and not layout.strategy.endswith("offload"):
-        impl, options = "deepspeed_zero", ["--zero-stage", layout.strategy[-1]]
-    elif layout.strategy.startswith("pp-"):
-        impl, options = (
-            "pipeline",
-            [
-                "--schedule",
-                layout.strategy[3:],
-                "--dp",
-                str(layout.dp),
-                "--microbatches",
-                str(row.grad_accum),
-            ],
-        )
-    if impl is None:
-        return f"{layout.strategy}: no simulation (distref.simulate's docstring says which impls run on it)"
+    found = simulation_of(layout, row)
+    if isinstance(found, str):
+        return found
+    impl, options = found
     fp32 = dataclasses.replace(plan.training, precision="fp32")
     planned = cost(layout, plan.model, plan.cluster, fp32)
+    if TENSORS[impl] == "real" and 16 * plan.model.parameters > REAL_TENSORS_LIMIT:
+        return (
+            f"{impl} runs on real tensors in a simulation (distref.simulate says why): "
+            f"{gb(16 * plan.model.parameters)} of them is too much to build here; --simulate N picks another row"
+        )
     world = layout.dp * layout.tp * layout.pp
     try:
         run = simulate(
@@ -1254,7 +1275,7 @@ def simulate_row(plan: Plan, row: Row) -> str:
     states = sum(run.model_state_bytes.values())
     comm = sum(e["bus_bytes"] for e in run.communication.values())
     return (
-        f"simulated {impl} {' '.join(options)} at {world} ranks (rank 0, fake process group, {run.seconds:.1f} s): "
+        f"simulated {' '.join([impl, *options])} at {world} ranks (rank 0, fake process group, {run.seconds:.1f} s): "
         f"model states {states:,} B, plan (fp32) {planned.memory_per_gpu_bytes['model_states']:,.0f} B; "
         f"communication {comm:,.0f} bus bytes per step, plan {sum(planned.communication_bytes.values()):,.0f}"
     )
@@ -1307,7 +1328,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     out.add_argument("--md", action="store_true", help="a Markdown table")
     out.add_argument("--plot", type=Path, metavar="PNG", help="memory per GPU vs GPUs, step time by strategy")
     out.add_argument(
-        "--simulate", action="store_true", help="run the best row's sharding on the fake process group"
+        "--simulate",
+        nargs="?",
+        const=1,
+        type=positive_int,
+        metavar="N",
+        help="run row N's sharding (default: the first) on the fake process group",
     )
     parser.add_argument(
         "--validate", nargs="+", type=Path, metavar="RUN_DIR", help="runs' records against the plan"
@@ -1408,7 +1434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(plan, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
     if args.simulate:
-        print(simulate_row(plan, plan.rows[0]), file=sys.stderr if args.json else sys.stdout)
+        if args.simulate > len(plan.rows):
+            print(
+                f"python -m distref.plan: error: --simulate {args.simulate}: the plan has {len(plan.rows)} rows",
+                file=sys.stderr,
+            )
+            return 2
+        print(simulate_row(plan, plan.rows[args.simulate - 1]), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
