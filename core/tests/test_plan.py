@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from distref import plan
+from distref.cost import activations as act
 from distref.distributed.partition import balanced_cut_points, part_bounds
 from distref.models import gpt
+from distref.plan.cli import parse_args, resolve_model
+from distref.plan.cluster import GPUS, Cluster, Training
+from distref.plan.costing import cost, minimax_cut, order_world, schedule_orders, step_flops
+from distref.plan.layouts import Layout, layouts
+from distref.plan.model import MODELS, decoder, flops_measured, parameters_only, project_model
+from distref.plan.ranking import make_plan
+from distref.plan.simulation import simulate_row
+from distref.simulate import PRESETS, GPTShape
 from distref.testing.runs import load_train_module
 
 
@@ -47,24 +56,24 @@ def test_the_interface_reproduces_the_zero_paper_example(capsys):
 def test_simulate_runs_the_planned_sharding_at_64_ranks(capsys):
     """A 1.3B decoder on 64 GPUs, fp32: the best FSDP row, run through impls/fsdp's own sharding as rank 0 of
     64 on the fake process group, holds and communicates what the plan says, exactly."""
-    model = plan.decoder("1.3b", plan.MODELS["1.3b"])
-    cluster = plan.Cluster(plan.GPUS["h100-80gb"], 64)
-    training = plan.Training(64, 1, "fp32", "adamw", False, 0.4)
-    made = plan.make_plan(model, cluster, training)
+    model = decoder("1.3b", MODELS["1.3b"])
+    cluster = Cluster(GPUS["h100-80gb"], 64)
+    training = Training(64, 1, "fp32", "adamw", False, 0.4)
+    made = make_plan(model, cluster, training)
     fsdp = next(row for row in made.rows if row.strategy == "fsdp")
-    said = plan.simulate_row(made, fsdp)
+    said = simulate_row(made, fsdp)
     states = fsdp.memory_per_gpu_bytes["model_states"]
     communication = sum(fsdp.communication_bytes.values())
     assert f"model states {int(states):,} B, plan (fp32) {states:,.0f} B" in said, said
     assert f"communication {communication:,.0f} bus bytes per step, plan {communication:,.0f}" in said, said
     # DDP's simulation builds real tensors: 23 GB of a 1.3B model's are refused, not allocated
     ddp = next(row for row in made.rows if row.strategy == "ddp")
-    assert "too much to build here" in plan.simulate_row(made, ddp)
+    assert "too much to build here" in simulate_row(made, ddp)
 
 
 def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
-    model = plan.decoder("7b", plan.MODELS["7b"])
-    found, skipped = plan.layouts(model, plan.Cluster(plan.GPUS["h100-80gb"], 32))
+    model = decoder("7b", MODELS["7b"])
+    found, skipped = layouts(model, Cluster(GPUS["h100-80gb"], 32))
     meshes = {(layout.strategy, layout.dp, layout.tp, layout.pp) for layout in found}
     assert {("tp", 16, 2, 1), ("tp", 8, 4, 1), ("tp", 4, 8, 1)} <= meshes
     assert ("pp-1f1b", 1, 1, 32) in meshes and ("pp-zbv", 2, 1, 16) in meshes and ("hsdp", 32, 1, 1) in meshes
@@ -73,46 +82,46 @@ def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
         "beyond a node's 8 GPUs" in reasons["tp16"]
         and reasons["pp32-zbv"] == "more stages than the model's 34 blocks"
     )
-    _, skipped = plan.layouts(plan.parameters_only(10**9), plan.Cluster(plan.GPUS["a100-40gb"], 8))
+    _, skipped = layouts(parameters_only(10**9), Cluster(GPUS["a100-40gb"], 8))
     assert "needs a decoder's shape" in dict(skipped)["tp"]
 
 
 def test_a_pipeline_s_memory_follows_its_schedule():
     """The fullest pipeline rank r holds M micro-batches of its stage under GPipe, min(M, p − r) under 1F1B
     (GPipe arXiv 1811.06965; PipeDream-Flush), and the bubble costs (p − 1)/M of compute."""
-    model = plan.decoder("1.3b", plan.MODELS["1.3b"])
-    cluster = plan.Cluster(plan.GPUS["h100-80gb"], 8)
-    training = plan.Training(32, 1, "fp32", "adamw", False, 0.4)
+    model = decoder("1.3b", MODELS["1.3b"])
+    cluster = Cluster(GPUS["h100-80gb"], 8)
+    training = Training(32, 1, "fp32", "adamw", False, 0.4)
     blocks, loss = model.formula(4, False)
-    bounds = plan.minimax_cut(model.block_parameters, 8)
+    bounds = minimax_cut(model.block_parameters, 8)
 
     def stage(r: int) -> int:  # one micro-batch's activations on stage r
         first, last = bounds[r]
-        return plan.act.stage_bytes(blocks[first:last], loss if r == 7 else None, 1)
+        return act.stage_bytes(blocks[first:last], loss if r == 7 else None, 1)
 
     for schedule, in_flight in (("gpipe", lambda r: 32), ("1f1b", lambda r: min(32, 8 - r))):
-        row = plan.cost(plan.Layout(f"pp-{schedule}", dp=1, pp=8), model, cluster, training)
+        row = cost(Layout(f"pp-{schedule}", dp=1, pp=8), model, cluster, training)
         r = row.pipeline_rank
         assert row.memory_per_gpu_bytes["activations"] == in_flight(r) * stage(r), schedule
-        compute = plan.step_flops(model, training, 8) / (plan.GPUS["h100-80gb"].peak_flops["fp32"] * 0.4)
+        compute = step_flops(model, training, 8) / (GPUS["h100-80gb"].peak_flops["fp32"] * 0.4)
         assert row.compute_s == pytest.approx(compute * (1 + 7 / 32))
 
 
 def test_the_decoder_flops_formula_agrees_with_torch_s_counter():
     """PaLM's 6N + 12·L·h·s per token against FlopCounterMode on the same decoder (meta device): within 2%
     (the counter leaves out layer norms and biases, and counts attention as SDPA does)."""
-    for shape in (plan.PRESETS["gpt-tiny"], plan.GPTShape(4, 256, 8, 1000, 128)):
+    for shape in (PRESETS["gpt-tiny"], GPTShape(4, 256, 8, 1000, 128)):
         with torch.device("meta"):
             module = gpt(shape.config())
-        counted = plan.flops_measured(module, (shape.seq,), tokens=True)
-        assert plan.decoder("x", shape).flops_per_sample == pytest.approx(counted, rel=0.02)
+        counted = flops_measured(module, (shape.seq,), tokens=True)
+        assert decoder("x", shape).flops_per_sample == pytest.approx(counted, rel=0.02)
 
 
 def test_the_balanced_cut_is_the_impls_by_dynamic_programming():
     """The largest part as small as impls/pipeline's cut by trying every cut makes it."""
     sizes = [5, 1, 9, 2, 2, 7, 3, 8]
     for parts in range(1, len(sizes) + 1):
-        bounds = plan.minimax_cut(sizes, parts)
+        bounds = minimax_cut(sizes, parts)
         assert [a for a, _ in bounds] == [0, *(z for _, z in bounds[:-1])] and bounds[-1][1] == len(sizes)
         theirs = (
             part_bounds(balanced_cut_points(sizes, parts), len(sizes)) if parts > 1 else [(0, len(sizes))]
@@ -124,9 +133,9 @@ def test_the_balanced_cut_is_the_impls_by_dynamic_programming():
 def test_schedule_orders_are_torch_s_own(schedule):
     """The planner builds each schedule's order without the send/recv pass torch adds for a real run:
     the compute order is the one a fully built schedule holds (impls/pipeline's `schedule_order`)."""
-    orders = plan.schedule_orders(schedule, 2, 4)
+    orders = schedule_orders(schedule, 2, 4)
     pipeline = load_train_module("pipeline")
-    with plan.order_world(2):
+    with order_world(2):
         from torch.distributed.pipelining import PipelineStage
 
         stages = [
@@ -145,11 +154,11 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
     assert "Nothing fits on 8 GPUs. The smallest cluster that would: " in out
     gpus = int(out.split("The smallest cluster that would: ")[1].split()[0])
     model, training = (
-        plan.decoder("70b", plan.MODELS["70b"]),
-        plan.Training(256, 1, "mixed", "adamw", False, 0.4),
+        decoder("70b", MODELS["70b"]),
+        Training(256, 1, "mixed", "adamw", False, 0.4),
     )
-    bigger = plan.make_plan(model, plan.Cluster(plan.GPUS["a100-40gb"], gpus), training)
-    smaller = plan.make_plan(model, plan.Cluster(plan.GPUS["a100-40gb"], gpus // 2), training)
+    bigger = make_plan(model, Cluster(GPUS["a100-40gb"], gpus), training)
+    smaller = make_plan(model, Cluster(GPUS["a100-40gb"], gpus // 2), training)
     assert bigger.rows[0].fits and not smaller.rows[0].fits
     # 70B in fp32 at 4096 tokens keeps 172 GB of activations per sequence: no cluster of 24 GB L4s holds it
     code, out = run_plan(capsys, "--model", "70b", "--gpu", "l4", "--gpus", "8", "--precision", "fp32")
@@ -187,9 +196,9 @@ def test_project_models_and_any_module_are_planned(capsys, tmp_path, monkeypatch
     )
     assert code == 0
     ddp = next(row for row in json.loads(out) if row["strategy"] == "ddp")
-    lenet = plan.project_model("lenet")
+    lenet = project_model("lenet")
     assert (ddp["micro_batch"], ddp["grad_accum"]) == (1, 32)  # 64 = 2 ranks × 1 sample × 32 micro-steps
-    assert ddp["memory_per_gpu_bytes"]["activations"] == plan.act.stage_bytes(*lenet.formula(2, False), 1)
+    assert ddp["memory_per_gpu_bytes"]["activations"] == act.stage_bytes(*lenet.formula(2, False), 1)
     (tmp_path / "mymodel.py").write_text(
         "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(1000, 4000), torch.nn.Linear(4000, 10))\n"
     )
@@ -199,7 +208,7 @@ def test_project_models_and_any_module_are_planned(capsys, tmp_path, monkeypatch
     )
     rows = json.loads(out)
     assert code == 0 and rows[0]["memory_per_gpu_bytes"]["activations"] is None
-    model = plan.resolve_model(plan.parse_args(["--model", "mymodel:build", "--sample-shape", "1000"]))
+    model = resolve_model(parse_args(["--model", "mymodel:build", "--sample-shape", "1000"]))
     # counted: forward 2·N, weight gradients 2·N, and the input gradient of the second layer only (the
     # sample needs none): 6N's rule of thumb would say 24.2M
     weights = 1000 * 4000 + 4000 * 10

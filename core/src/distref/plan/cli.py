@@ -1,0 +1,201 @@
+"""The command line: python -m distref.plan."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from distref.config import OneLineErrorParser, positive_int
+from distref.distributed.partition import _SHAPES as PROJECT_DATASETS
+from distref.plan.cluster import DEFAULT_MFU, GPUS, RESERVED_BYTES, Cluster, Training
+from distref.plan.model import MODELS, Model, PlanError, custom_model, decoder, parameters_only, project_model
+from distref.plan.output import plot, render_markdown, render_text
+from distref.plan.ranking import make_plan
+from distref.plan.simulation import simulate_row
+from distref.plan.validate import render_validation, validate
+
+GiB = 2**30
+
+
+def resolve_model(args: argparse.Namespace) -> Model:
+    if args.params is not None:
+        return parameters_only(args.params)
+    name = args.model
+    if name in MODELS:
+        shape = MODELS[name]
+        if args.seq:
+            shape = dataclasses.replace(shape, seq=args.seq)
+        return decoder(name, shape)
+    if name in PROJECT_DATASETS:
+        return project_model(name)
+    if ":" in name:
+        return custom_model(name, args.sample_shape, args.tokens)
+    known = ", ".join([*MODELS, *PROJECT_DATASETS])
+    raise PlanError(f"unknown model {name!r}: one of {known}, module:function, or --params N")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = OneLineErrorParser(
+        prog="python -m distref.plan",
+        description="Which strategy for my model on my GPUs, from the formulas this project proves (docs/plan.md).",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model", help=f"a preset ({', '.join(MODELS)}), lenet, resnet18, gpt, or module:function"
+    )
+    model.add_argument("--params", type=positive_int, help="a bare parameter count: model states only")
+    model.add_argument("--seq", type=positive_int, help="sequence length (a preset's: 2048 or 4096)")
+    model.add_argument(
+        "--sample-shape", type=shape_of, help="module:function's input per sample, e.g. 3,224,224"
+    )
+    model.add_argument(
+        "--tokens", action="store_true", help="module:function takes token ids (its sample: T)"
+    )
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    hw.add_argument("--gpus", type=positive_int, help="GPUs in all (default: one node's)")
+    hw.add_argument("--nodes", type=positive_int, help="nodes (GPUs = nodes × GPUs per node)")
+    hw.add_argument("--gpus-per-node", type=positive_int)
+    hw.add_argument("--memory-gb", type=positive_float, help="memory per GPU, GB (10⁹ bytes)")
+    hw.add_argument("--peak-tflops", type=positive_float, help="dense peak in the training's precision")
+    hw.add_argument("--intra-node-gbps", type=positive_float, help="GB/s per GPU one way within a node")
+    hw.add_argument("--inter-node-gbps", type=positive_float, help="GB/s per GPU one way between nodes")
+    training = parser.add_argument_group("training")
+    training.add_argument(
+        "--global-batch", type=positive_int, default=256, help="samples (sequences) per step"
+    )
+    training.add_argument(
+        "--micro-batch", type=positive_int, default=1, help="samples per GPU per micro-step"
+    )
+    training.add_argument(
+        "--grad-accum", type=positive_int, help="micro-steps per step (sets the micro-batch)"
+    )
+    training.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
+    training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    training.add_argument("--activation-checkpointing", action="store_true")
+    training.add_argument(
+        "--mfu", type=fraction, default=DEFAULT_MFU, help="utilisation of peak while computing"
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="the ranked rows as a JSON list")
+    out.add_argument("--md", action="store_true", help="a Markdown table")
+    out.add_argument("--plot", type=Path, metavar="PNG", help="memory per GPU vs GPUs, step time by strategy")
+    out.add_argument(
+        "--simulate",
+        nargs="?",
+        const=1,
+        type=positive_int,
+        metavar="N",
+        help="run row N's sharding (default: the first) on the fake process group",
+    )
+    parser.add_argument(
+        "--validate", nargs="+", type=Path, metavar="RUN_DIR", help="runs' records against the plan"
+    )
+    args = parser.parse_args(argv)
+    if args.validate is None and (args.model is None) == (args.params is None):
+        parser.error("give --model NAME or --params N (not both), or --validate RUN_DIR…")
+    return args
+
+
+def shape_of(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes separated by commas, e.g. 3,224,224") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
+    return dims
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the peak in (0, 1], got {text}")
+    return value
+
+
+def resolve_cluster(args: argparse.Namespace) -> Cluster:
+    if args.gpu not in GPUS:
+        raise PlanError(f"unknown GPU {args.gpu!r}: one of {', '.join(GPUS)} (and override its figures)")
+    gpu = GPUS[args.gpu]
+    overrides = {
+        "gpus_per_node": args.gpus_per_node,
+        "memory_bytes": args.memory_gb and int(args.memory_gb * 1e9),
+        "intra_node_bytes_per_s": args.intra_node_gbps and args.intra_node_gbps * 1e9,
+        "inter_node_bytes_per_s": args.inter_node_gbps and args.inter_node_gbps * 1e9,
+    }
+    gpu = dataclasses.replace(gpu, **{k: v for k, v in overrides.items() if v})
+    if args.peak_tflops:
+        peak = args.peak_tflops * 1e12
+        gpu = dataclasses.replace(gpu, peak_flops={"mixed": peak, "fp32": peak})
+    if args.memory_gb and gpu.memory_bytes <= RESERVED_BYTES:
+        raise PlanError(
+            f"--memory-gb {args.memory_gb}: not above the {RESERVED_BYTES / 1e9:.1f} GB each GPU keeps"
+        )
+    if args.nodes and args.gpus and args.gpus != args.nodes * gpu.gpus_per_node:
+        raise PlanError(f"--gpus {args.gpus} is not --nodes {args.nodes} × {gpu.gpus_per_node} GPUs per node")
+    gpus = args.gpus or (args.nodes or 1) * gpu.gpus_per_node
+    if gpus > gpu.gpus_per_node and gpus % gpu.gpus_per_node:
+        raise PlanError(f"{gpus} GPUs do not fill nodes of {gpu.gpus_per_node}: give whole nodes")
+    return Cluster(gpu, gpus)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.validate:
+            results = validate(args.validate)
+            print(json.dumps(results, indent=1) if args.json else render_validation(results))
+            return 0
+        model, cluster = resolve_model(args), resolve_cluster(args)
+        training = Training(
+            global_batch=args.global_batch,
+            micro_batch=args.micro_batch,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            checkpointing=args.activation_checkpointing,
+            mfu=args.mfu,
+            grad_accum=args.grad_accum,
+        )
+        plan = make_plan(model, cluster, training)
+    except PlanError as e:
+        print(f"python -m distref.plan: error: {e}", file=sys.stderr)
+        return 2
+    if not plan.rows:
+        print(
+            f"python -m distref.plan: error: no layout can run: {'; '.join(w for _, w in plan.skipped)}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        print(json.dumps([row.as_dict() | {"rank": i} for i, row in enumerate(plan.rows, 1)], indent=1))
+    elif args.md:
+        print(render_markdown(plan))
+    else:
+        print(render_text(plan))
+    if args.plot:
+        plot(plan, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    if args.simulate:
+        if args.simulate > len(plan.rows):
+            print(
+                f"python -m distref.plan: error: --simulate {args.simulate}: the plan has {len(plan.rows)} rows",
+                file=sys.stderr,
+            )
+            return 2
+        print(simulate_row(plan, plan.rows[args.simulate - 1]), file=sys.stderr if args.json else sys.stdout)
+    return 0

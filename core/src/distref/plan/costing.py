@@ -1,0 +1,476 @@
+"""One layout costed per GPU from distref.cost: memory, communication by link, time."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+import unittest.mock
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from distref.cost import activations as act
+from distref.cost.counts import Counts, add, merge
+from distref.cost.data_parallel import ddp as ddp_communication
+from distref.cost.memory import mixed_precision, replicated
+from distref.cost.pipeline import model_parallel as model_parallel_communication
+from distref.cost.pipeline import pipeline as pipeline_communication
+from distref.cost.sharded import fsdp as fsdp_communication
+from distref.cost.sharded import fsdp_model_states
+from distref.cost.tensor_parallel import (
+    _units,
+    parameters_held,
+    tensor_parallel,
+    tensor_parallel_model_states,
+)
+from distref.cost.tp_activations import tensor_parallel_activation_bytes
+from distref.cost.zero import zero_communication, zero_model_states
+from distref.impl_folders import load_train_module
+from distref.plan.cluster import GPU, RESERVED_BYTES, Cluster, Training
+from distref.plan.layouts import Layout
+from distref.plan.model import Model, PlanError
+from distref.simulate import IMPLS_DIR
+
+GiB = 2**30
+
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
+ZERO_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
+ZERO_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size default (elements)
+MEASURED_WORLD, SIMULATED_WORLD = 4, 512  # the largest worlds the tests run for real, and simulate
+
+
+@dataclasses.dataclass
+class Row:
+    strategy: str
+    mesh: str
+    memory_per_gpu_bytes: dict[str, float | None]
+    fits: bool
+    communication_bytes: dict[str, float]  # per step per GPU: bus bytes by link
+    compute_s: float | None
+    step_s: dict[str, float | None]  # no_overlap, overlap
+    tokens_per_s_per_gpu: float | None
+    extrapolated: list[str]
+    why: str = ""
+    cpu_bytes: float = 0.0  # offloaded optimizer states, per GPU
+    pipeline_rank: int | None = None  # the pipeline rank whose memory is given: the fullest
+    micro_batch: int = 0
+    grad_accum: int = 0
+    layout: Layout | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("layout")
+        return out
+
+
+def micro_steps(training: Training, replicas: int) -> tuple[int, int]:
+    """(micro-batch, micro-steps K) with `replicas` data-parallel copies; PlanError where they do not
+    divide the global batch."""
+    if training.grad_accum:
+        k = training.grad_accum
+        if training.global_batch % (replicas * k):
+            raise PlanError(
+                f"global batch {training.global_batch} is not {replicas} replicas × {k} micro-steps × b"
+            )
+        return training.global_batch // (replicas * k), k
+    b = training.micro_batch
+    if training.global_batch % (replicas * b):
+        raise PlanError(
+            f"global batch {training.global_batch} is not a multiple of {replicas} replicas × micro-batch {b}"
+        )
+    return b, training.global_batch // (replicas * b)
+
+
+def data_parallel_states(layout: Layout, model: Model, training: Training) -> tuple[dict[str, float], float]:
+    """(model states on the GPU, bytes offloaded to the CPU) for the data-parallel family."""
+    n, strategy, e = layout.dp, layout.strategy.removesuffix("-offload"), training.element_bytes
+    over = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n), "fsdp": (n, n, n)}
+    over["hsdp"] = (layout.shard,) * 3
+    numels = [math.prod(s) for s in model.shapes]
+    if training.precision == "mixed":
+        p, g, o = over[strategy]
+        states = mixed_precision(model.parameters, parameters_over=p, gradients_over=g, optimizer_over=o)
+        if training.optimizer == "sgd":  # fp32 master and momentum: 8 bytes
+            states["optimizer"] = 8 * model.parameters / o
+    elif strategy == "ddp":
+        states = replicated([n * e for n in numels], training.optimizer, step_bytes=e)
+    elif strategy in ("fsdp", "hsdp"):
+        shard = n if strategy == "fsdp" else layout.shard
+        states = fsdp_model_states(model.shapes, shard, 0, e, training.optimizer, step_bytes=e)
+    else:
+        states = zero_model_states(
+            numels, n, 0, int(strategy[-1]), training.optimizer, element_bytes=e, step_bytes=e
+        )
+    offloaded = 0.0
+    if layout.strategy.endswith("-offload"):  # ZeRO-Offload: the optimizer's states and step on the CPU
+        offloaded = states["optimizer"]
+        states = {**states, "optimizer": 0}
+    return states, offloaded
+
+
+def data_parallel_communication(
+    layout: Layout, model: Model, training: Training, k: int
+) -> tuple[Counts, list[str]]:
+    n, strategy = layout.dp, layout.strategy.removesuffix("-offload")
+    e = training.element_bytes
+    numels = [math.prod(s) for s in model.shapes]
+    notes = []
+    if strategy == "ddp":
+        return ddp_communication([m * e for m in numels], n, bucket_cap_bytes=DDP_BUCKET_BYTES), notes
+    if strategy in ("fsdp", "hsdp"):
+        shard = n if strategy == "fsdp" else layout.shard
+        units = unit_shapes(model)
+        resharded = [i < len(units) - 1 for i in range(len(units))]
+        return (
+            fsdp_communication(
+                units,
+                resharded,
+                shard,
+                replicas=n // shard,
+                gather_element_bytes=e,
+                reduce_element_bytes=e,
+                grad_accum=k,
+            ),
+            notes,
+        )
+    stage = int(strategy[-1])
+    counts = zero_communication(
+        numels,
+        n,
+        stage,
+        bucket_elements=ZERO_REDUCE_BUCKET,
+        prefetch_elements=ZERO_PREFETCH_BUCKET,
+        grad_accum=k,
+        element_bytes=e,
+    )
+    if counts is None:  # ZeRO-3 beyond one prefetch bucket: FSDP's pattern (two gathers, one reduce-scatter)
+        notes.append("ZeRO-3's communication beyond one prefetch bucket: FSDP's formula (not measured)")
+        units = unit_shapes(model)
+        counts = fsdp_communication(
+            units, [True] * len(units), n, gather_element_bytes=e, reduce_element_bytes=e, grad_accum=k
+        )
+    return counts, notes
+
+
+def unit_shapes(model: Model) -> list[list[tuple[int, ...]]]:
+    """The parameters' shapes grouped by block (FSDP's units in the impls: one per block)."""
+    units, shapes = [], iter(model.shapes)
+    for count in model.block_parameters:
+        unit, held = [], 0
+        while held < count:
+            shape = next(shapes)
+            unit.append(shape)
+            held += math.prod(shape)
+        units.append(unit)
+    return units
+
+
+def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> Row:
+    """One layout's memory, communication and time per GPU (the worst GPU where they differ)."""
+    notes: list[str] = []
+    if training.precision == "mixed":
+        notes.append(
+            "mixed precision: the ZeRO paper's bytes per parameter, activations at 2 bytes (not measured)"
+        )
+    world = layout.dp * layout.tp * layout.pp
+    if world > SIMULATED_WORLD:
+        notes.append(
+            f"world {world}: formulas simulated up to {SIMULATED_WORLD} ranks, measured up to {MEASURED_WORLD}"
+        )
+    cpu_bytes = 0.0
+    links: dict[str, Counts] = {"intra_node": {}, "inter_node": {}}
+    overlapped = {"intra_node": 0.0, "inter_node": 0.0}  # bus bytes that hide under compute
+    bubble, worst_rank = 0.0, None
+    if layout.tp == 1 and layout.pp == 1:  # the data-parallel family
+        b, k = micro_steps(training, layout.dp)
+        states, cpu_bytes = data_parallel_states(layout, model, training)
+        activations = whole_model_activations(model, b, training)
+        counts, more = data_parallel_communication(layout, model, training, k)
+        notes += more
+        if layout.strategy.endswith("-offload"):
+            notes.append("offload: the CPU's optimizer step and PCIe copies not modelled (no formula)")
+        if layout.strategy == "hsdp":
+            link_of = {"all_reduce": cluster.link(layout.dp)}
+            shard_link = cluster.link(layout.shard)
+            for kind, entry in counts.items():
+                merge_into(links[link_of.get(kind, shard_link)], {kind: entry})
+        else:
+            merge_into(links[cluster.link(layout.dp)], counts)
+        for link, part in links.items():
+            overlapped[link] = bus(part)
+    elif layout.tp > 1:
+        b, k = micro_steps(training, layout.dp)
+        states, activations, tp_counts, dp_counts = tensor_parallel_costs(layout, model, training, b, k)
+        merge_into(links["intra_node"], tp_counts)
+        merge_into(links[cluster.link(layout.dp * layout.tp)], dp_counts)
+        overlapped[cluster.link(layout.dp * layout.tp)] += bus(dp_counts)
+    else:
+        b, k = micro_steps(training, layout.dp)
+        states, activations, p2p, dp_counts, bubble, more, worst_rank = pipeline_costs(
+            layout, model, training, b, k
+        )
+        notes += more
+        merge_into(links[cluster.link(layout.pp)], p2p)
+        merge_into(links[cluster.link(layout.pp * layout.dp)], dp_counts)
+        overlapped[cluster.link(layout.pp * layout.dp)] += bus(dp_counts)
+    states_total = sum(states.values())
+    total = states_total + (activations or 0)
+    usable = cluster.gpu.memory_bytes - RESERVED_BYTES
+    communication = {link: bus(part) for link, part in links.items()}
+    compute_s = step_flops(model, training, world)
+    if compute_s is not None:
+        compute_s = compute_s / (peak(cluster.gpu, training.precision) * training.mfu) * (1 + bubble)
+    comm_s = sum(bytes_ / cluster.bandwidth(link) for link, bytes_ in communication.items())
+    hidden_s = sum(bytes_ / cluster.bandwidth(link) for link, bytes_ in overlapped.items())
+    step = {"no_overlap": None, "overlap": None}
+    tokens = None
+    if compute_s is not None:
+        step = {"no_overlap": compute_s + comm_s, "overlap": max(compute_s, hidden_s) + (comm_s - hidden_s)}
+        tokens = training.global_batch * model.tokens_per_sample / step["overlap"] / world
+    return Row(
+        strategy=layout.strategy,
+        mesh=layout.mesh,
+        memory_per_gpu_bytes={
+            "model_states": states_total,
+            "activations": activations,
+            "total": total,
+            **states,
+        },
+        fits=total <= usable,
+        communication_bytes=communication,
+        compute_s=compute_s,
+        step_s=step,
+        tokens_per_s_per_gpu=tokens,
+        extrapolated=notes,
+        cpu_bytes=cpu_bytes,
+        pipeline_rank=worst_rank,
+        micro_batch=b,
+        grad_accum=k,
+        layout=layout,
+    )
+
+
+def peak(gpu: GPU, precision: str) -> float:
+    """Dense peak FLOP/s in the training's precision (fp64, for --validate's fp64 runs: half fp32's)."""
+    return gpu.peak_flops.get(precision) or gpu.peak_flops["fp32"] / 2
+
+
+def bus(counts: Counts) -> float:
+    return sum(entry["bus_bytes"] for entry in counts.values())
+
+
+def merge_into(into: Counts, part: Counts) -> None:
+    into.update(merge(into, part))
+
+
+def whole_model_activations(model: Model, micro_batch: int, training: Training) -> float | None:
+    if model.formula is None:
+        return None
+    return act.stage_bytes(*model.formula(training.element_bytes, training.checkpointing), micro_batch)
+
+
+def step_flops(model: Model, training: Training, world: int) -> float | None:
+    """One GPU's share of a step's FLOPs (recomputation included with activation checkpointing)."""
+    if model.flops_per_sample is None:
+        return None
+    recompute = 4 / 3 if training.checkpointing else 1
+    return model.flops_per_sample * training.global_batch * recompute / world
+
+
+def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: int, k: int):
+    """impls/tensor_parallel's 2-D mesh (FSDP over dp, Megatron TP with sequence and loss parallelism)."""
+    shape, t, d, e = model.gpt, layout.tp, layout.dp, training.element_bytes
+    dims = dict(layers=shape.layers, hidden=shape.hidden, vocabulary=shape.vocab, sequence=shape.seq)
+    if training.precision != "mixed":
+        states = tensor_parallel_model_states(
+            **dims, tp=t, tp_rank=0, optimizer=training.optimizer, dp_shard=d, element_bytes=e, step_bytes=e
+        )
+    else:
+        held = sum(
+            math.prod(s) for _, s in parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0)
+        )
+        states = mixed_precision(held, parameters_over=d, gradients_over=d, optimizer_over=d)
+    activations = tensor_parallel_activation_bytes(
+        micro_batch=b,
+        seq=shape.seq,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        layers=shape.layers,
+        vocab=shape.vocab,
+        tp=t,
+        tp_rank=0,
+        sequence_parallel=True,
+        loss_parallel=True,
+        element_bytes=e,
+        checkpointed=training.checkpointing,
+    )
+    total = tensor_parallel(
+        **dims,
+        micro_batch=b,
+        tp=t,
+        sequence_parallel=True,
+        loss_parallel=True,
+        optimizer=training.optimizer,
+        grad_accum=k,
+        dp_shard=d,
+        element_bytes=e,
+        activation_checkpointing=training.checkpointing,
+    )
+    dp_counts: Counts = {}
+    if d > 1:  # what FSDP adds over the dp ranks (as tensor_parallel computes it)
+        units = _units(
+            parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0), shape.layers
+        )
+        dp_counts = fsdp_communication(
+            units, [True] * len(units), d, gather_element_bytes=e, reduce_element_bytes=e, grad_accum=k
+        )
+    tp_counts = {
+        kind: {key: value - dp_counts.get(kind, {}).get(key, 0) for key, value in entry.items()}
+        for kind, entry in total.items()
+    }
+    return states, activations, {k_: v for k_, v in tp_counts.items() if v["calls"]}, dp_counts
+
+
+def minimax_cut(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous parts of `sizes` with the largest part's sum as small as possible (the pipeline's
+    balanced cut, distref.distributed.partition's objective, by dynamic programming instead of trying
+    every cut)."""
+    n = len(sizes)
+    prefix = [0, *itertools.accumulate(sizes)]
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]  # best[p][end]: blocks [0, end) in p parts
+    start_of = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for p in range(1, parts + 1):
+        for end in range(p, n - (parts - p) + 1):
+            for start in range(p - 1, end):
+                largest = max(best[p - 1][start], prefix[end] - prefix[start])
+                if largest < best[p][end]:
+                    best[p][end], start_of[p][end] = largest, start
+    bounds, end = [], n
+    for p in range(parts, 0, -1):
+        bounds.append((start_of[p][end], end))
+        end = start_of[p][end]
+    return bounds[::-1]
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_orders(schedule: str, p: int, m: int) -> dict[int, list[act.Action]]:
+    """Each rank's order of work (kind, stage, micro-batch) in one step: GPipe's and 1F1B's by their rule,
+    the multi-stage schedules' from torch's own `pipeline_order` (built on the fake backend, as
+    impls/pipeline builds it: rank r's stages round-robin or V-shaped)."""
+    if schedule in ("gpipe", "1f1b"):
+        return {r: act.one_stage_order(schedule, m, p, r) for r in range(p)}
+    from torch.distributed.pipelining import PipelineStage
+
+    module = pipeline_impl()
+    with order_world(p):
+        stages = [
+            PipelineStage(torch.nn.Linear(1, 1), index, 2 * p, torch.device("cpu"))
+            for index in module.stage_indices(schedule, 0, p, 2)
+        ]
+        cls = module.SCHEDULES[schedule]
+        # (its constructor then adds the send/recv actions a real run needs, which costs seconds and
+        # changes nothing in the order of compute: skipped here)
+        with unittest.mock.patch.object(cls, "_prepare_schedule_with_comms", lambda *args, **kwargs: None):
+            built = cls(stages, m, loss_fn=lambda out, target: out.sum())
+        orders = {}
+        for rank in range(p):
+            orders[rank] = [
+                (part.computation_type.value, part.stage_index, part.microbatch_index)
+                for action in built.pipeline_order[rank]
+                if action is not None
+                for part in (action.sub_actions or (action,))
+            ]
+    return orders
+
+
+@contextlib.contextmanager
+def order_world(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of `world_size` on torch's fake backend, for a schedule's constructor."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # (registers the "fake" backend)
+
+    if dist.is_initialized():
+        raise PlanError("the pipeline schedules' orders are built on a fake process group: not inside a job")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@functools.cache
+def pipeline_impl():
+    return load_train_module(IMPLS_DIR / "pipeline" / "train.py")
+
+
+def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: int):
+    """impls/pipeline (p stage ranks, each of the dp pipelines all-reducing its parameters) or
+    impls/model_parallel (one micro-batch after another): the worst rank's memory, its point-to-point
+    traffic and the dp all-reduce, the schedule's bubble."""
+    p, e, notes = layout.pp, training.element_bytes, []
+    m = k  # the pipeline runs the replica's micro-steps as its micro-batches
+    if layout.strategy == "model_parallel":  # one micro-batch through every part before the next
+        schedule, v, bubble = "gpipe", 1, p - 1.0
+        orders = {r: act.one_stage_order("gpipe", 1, p, r) for r in range(p)}
+    else:
+        schedule = layout.strategy.removeprefix("pp-")
+        v = 1 if schedule in ("gpipe", "1f1b") else 2
+        if problem := pipeline_impl().microbatch_problem(schedule, m, p, p * v):
+            raise PlanError(problem)
+        orders = schedule_orders(schedule, p, m)
+        bubble = pipeline_bubble(schedule, p, v, m)
+    bounds = minimax_cut(model.block_parameters, p * v)
+    stage_params = [sum(model.block_parameters[a:z]) for a, z in bounds]
+    units = unit_shapes(model)
+    stage_rank = {stage: rank for rank, order in orders.items() for _, stage, _ in order}
+    blocks_and_loss = model.formula(e, training.checkpointing) if model.formula else None
+
+    def rank_costs(rank: int) -> tuple[dict[str, float], float | None, int]:
+        mine = sorted({stage for _, stage, _ in orders[rank]})
+        held = sum(stage_params[s] for s in mine)
+        if training.precision == "mixed":
+            states = mixed_precision(held)
+        else:
+            tensors = [
+                math.prod(shape) * e for s in mine for unit in units[slice(*bounds[s])] for shape in unit
+            ]
+            states = replicated(tensors, training.optimizer, step_bytes=e)
+        held_activations = None
+        if blocks_and_loss is not None:
+            held_activations = act.held_in_rank(*blocks_and_loss, bounds, orders[rank], b)
+        return states, held_activations, held
+
+    each_rank = [rank_costs(rank) for rank in range(p)]
+    worst_rank = max(range(p), key=lambda r: sum(each_rank[r][0].values()) + (each_rank[r][1] or 0))
+    states, activations, held = each_rank[worst_rank]
+    # Each boundary's activation forward and its gradient back, per micro-batch
+    if model.block_outputs is None:
+        notes.append("activations sent between stages: not estimated (the model is no sequence of blocks)")
+    outputs = model.block_outputs or [0] * len(model.block_parameters)
+    boundary = [b * outputs[last - 1] * e for _, last in bounds[:-1]]
+    mine = sorted({stage for _, stage, _ in orders[worst_rank]})
+    if layout.strategy == "model_parallel":
+        p2p = model_parallel_communication(boundary, worst_rank, p, k)
+    else:
+        p2p = pipeline_communication(boundary, mine, [stage_rank[s] for s in range(len(bounds))], m)
+    dp_counts: Counts = {}
+    if layout.dp > 1:  # each pipeline rank's gradients summed over the dp pipelines
+        add(dp_counts, "all_reduce", held * e, layout.dp)
+    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        notes.append(f"{schedule}'s bubble taken as none (its paper's claim; the report measures it)")
+    return states, activations, p2p, dp_counts, bubble, notes, worst_rank
+
+
+def pipeline_bubble(schedule: str, p: int, v: int, m: int) -> float:
+    """Idle time over busy time: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved (Megatron-LM,
+    arXiv 2104.04473 §2.2); the zero-bubble schedules' taken as none."""
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m)
+    return 0.0

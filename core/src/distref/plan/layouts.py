@@ -1,0 +1,96 @@
+"""Layouts: a strategy on a mesh, and the search over what a user would try."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from distref.plan.cluster import Cluster
+from distref.plan.model import Model
+
+GiB = 2**30
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    strategy: str  # ddp, zero1-3, zero*-offload, fsdp, hsdp, tp, pp-<schedule>, model_parallel
+    dp: int = 1  # data-parallel ranks (for hsdp: shard × replicas)
+    tp: int = 1
+    pp: int = 1
+    shard: int = 1  # hsdp's shard group
+
+    @property
+    def mesh(self) -> str:
+        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == 1 and self.pp == 1) else []
+        parts += [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += [f"pp{self.pp}"] if self.pp > 1 else []
+        text = "×".join(parts)
+        return (
+            f"{text} (shard {self.shard} × replicate {self.dp // self.shard})"
+            if self.strategy == "hsdp"
+            else text
+        )
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def layouts(model: Model, cluster: Cluster) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """Every strategy and mesh a user would try on `cluster` (powers of two per dimension), and what was
+    skipped, with why."""
+    g, per_node = cluster.gpus, cluster.gpu.gpus_per_node
+    found: list[Layout] = []
+    skipped: list[tuple[str, str]] = []
+    for strategy in (
+        "ddp",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero1-offload",
+        "zero2-offload",
+        "zero3-offload",
+        "fsdp",
+    ):
+        found.append(Layout(strategy, dp=g))
+    if cluster.nodes > 1 and g % per_node == 0:
+        found.append(Layout("hsdp", dp=g, shard=per_node))
+    else:
+        skipped.append(("hsdp", "one node: HSDP's replicas would be FSDP's shards"))
+    if g & (g - 1):
+        skipped.append(("tp, pp", f"{g} GPUs is not a power of two: meshes are searched in powers of two"))
+        return found, skipped
+    if model.gpt is None:
+        skipped.append(("tp", "tensor parallelism needs a decoder's shape (--model 125m … 70b)"))
+    for tp in powers_of_two(g)[1:]:
+        if model.gpt is None:
+            break
+        heads = model.gpt.heads
+        if tp > per_node:
+            skipped.append(
+                (f"tp{tp}", f"beyond a node's {per_node} GPUs: every layer's collectives would cross nodes")
+            )
+        elif heads % tp:
+            skipped.append((f"tp{tp}", f"must divide the {heads} attention heads"))
+        elif model.gpt.seq % tp:
+            skipped.append(
+                (f"tp{tp}", f"sequence parallelism splits the {model.gpt.seq} positions: not evenly")
+            )
+        else:
+            found.append(Layout("tp", dp=g // tp, tp=tp))
+    blocks = len(model.block_parameters)
+    for pp in powers_of_two(g)[1:]:
+        if blocks < 2:
+            skipped.append(("pp, model_parallel", "the model has no blocks to cut between"))
+            break
+        for schedule in SCHEDULES:
+            stages = pp * (1 if schedule in ("gpipe", "1f1b") else 2)
+            if stages > blocks:
+                skipped.append((f"pp{pp}-{schedule}", f"more stages than the model's {blocks} blocks"))
+            else:
+                found.append(Layout(f"pp-{schedule}", dp=g // pp, pp=pp))
+        if pp == g and pp <= blocks:
+            found.append(Layout("model_parallel", pp=pp))
+    return found, skipped

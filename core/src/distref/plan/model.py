@@ -1,0 +1,165 @@
+"""The model a plan is for: decoder presets (in distref's gpt layout), this project's models, any nn.Module
+given as module:function (built on the meta device), or a bare parameter count."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from distref.cost import activations as act
+from distref.cost.tensor_parallel import (
+    gpt_parameters,
+)
+from distref.distributed.partition import _SHAPES as PROJECT_DATASETS
+from distref.models import build_model
+from distref.simulate import PRESETS, GPTShape
+
+GiB = 2**30
+
+GiB = 2**30
+
+
+class PlanError(ValueError):
+    """Bad input: said in one line, exit 2."""
+
+
+# Decoder presets in distref's gpt layout (pre-LN, GELU MLP of 4h, biases, learned positions, an untied
+# output layer): GPT-3's 125M and 1.3B shapes (arXiv 2005.14165, Table 2.1), Llama's 7B, 13B and 70B widths
+# and depths (arXiv 2302.13971 Table 2; 2307.09288) and Llama 3's 8B with its vocabulary and 8,192 tokens
+# (arXiv 2407.21783) — in this layout 7B is 6.7B parameters, 8B 7.5B, 13B 12.9B and 70B 65.0B (Llama's
+# SwiGLU and grouped-query attention are not modelled).
+MODELS = {
+    "125m": GPTShape(layers=12, hidden=768, heads=12, vocab=50257, seq=2048),
+    "1.3b": PRESETS["gpt-1.3b"],
+    "7b": PRESETS["gpt-7b"],
+    "8b": GPTShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=8192),  # Llama 3's sizes: 7.5B here
+    "13b": GPTShape(layers=40, hidden=5120, heads=40, vocab=32000, seq=4096),
+    "70b": GPTShape(layers=80, hidden=8192, heads=64, vocab=32000, seq=4096),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the planner knows of a model: its parameter shapes (model.parameters() order), its blocks (a
+    pipeline cuts between them: each block's parameter count), the gpt shape where it is a decoder (tensor
+    parallelism and the decoder formulas need it), FLOPs of one sample's forward and backward, what one
+    sample is in tokens, and the activation formula `activations(micro_batch, element_bytes,
+    checkpointed)` → (blocks, loss) of distref.cost.activations, or None where there is none."""
+
+    name: str
+    shapes: list[tuple[int, ...]]
+    block_parameters: list[int]
+    gpt: GPTShape | None = None
+    flops_per_sample: float | None = None
+    tokens_per_sample: int = 1
+    formula: Callable[[int, bool], tuple[list[act.Block], act.Loss]] | None = None
+    block_outputs: list[int] | None = None  # elements of each block's output, per sample
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
+
+
+def decoder(name: str, shape: GPTShape) -> Model:
+    params = gpt_parameters(shape.layers, shape.hidden, shape.vocab, shape.seq)
+    shapes = [s for _, s, _ in params]
+    per_block = [sum(math.prod(s) for n, s, _ in params if n.startswith(p)) for p in block_prefixes(shape)]
+    # PaLM's model FLOPs per token (arXiv 2204.02311, App. B): 6 per matmul weight (forward 2, backward 4)
+    # plus attention's 12·L·h·s; the embeddings' lookups are no matmuls.
+    matmul_weights = shape.parameters() - (shape.vocab + shape.seq) * shape.hidden
+    per_token = 6 * matmul_weights + 12 * shape.layers * shape.hidden * shape.seq
+
+    def formula(element_bytes: int, checkpointed: bool):
+        blocks = act.gpt_blocks(
+            shape.seq, shape.hidden, shape.heads, shape.layers, element_bytes, checkpointed
+        )
+        s = shape.seq
+        return blocks, act.Loss(element_bytes * s * shape.vocab + act.INDEX_BYTES * s, element_bytes)
+
+    outputs = [shape.seq * shape.hidden] * (shape.layers + 1) + [shape.seq * shape.vocab]
+    return Model(name, shapes, per_block, shape, per_token * shape.seq, shape.seq, formula, outputs)
+
+
+def block_prefixes(shape: GPTShape) -> list[str]:
+    return ["embed.", *(f"block{i}." for i in range(shape.layers)), "head."]
+
+
+def flops_measured(module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool) -> float:
+    """One sample's forward and backward FLOPs, counted by torch's FlopCounterMode on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        x = torch.zeros(1, *sample_shape, dtype=torch.long) if tokens else torch.zeros(1, *sample_shape)
+    with FlopCounterMode(display=False) as counter:
+        out = module(x)
+        out.float().sum().backward()
+    return float(counter.get_total_flops())
+
+
+def block_outputs(module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool) -> list[int] | None:
+    """Elements of each block's output for one sample (a forward on the meta device), where the model is
+    a sequence of blocks (nn.Sequential: what a pipeline cuts); None otherwise."""
+    if not isinstance(module, torch.nn.Sequential):
+        return None
+    with torch.device("meta"), torch.no_grad():
+        x = torch.zeros(1, *sample_shape, dtype=torch.long) if tokens else torch.zeros(1, *sample_shape)
+        sizes = []
+        for block in module:
+            x = block(x)
+            sizes.append(x.numel())
+    return sizes
+
+
+def project_model(name: str) -> Model:
+    """lenet, resnet18 or gpt (the tiny one --model gpt trains), on their usual datasets."""
+    info = PROJECT_DATASETS[name]
+    with torch.device("meta"):
+        module = build_model(name, info)
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in module.children()]
+    if name == "gpt":
+        shape = PRESETS["gpt-tiny"]
+        return dataclasses.replace(decoder("gpt", shape), shapes=shapes, block_parameters=blocks)
+
+    def formula(element_bytes: int, checkpointed: bool):
+        e = element_bytes
+        if name == "lenet":
+            return act.lenet_blocks(e, checkpointed), act.Loss(e * info.num_classes + act.INDEX_BYTES, e)
+        blocks = act.resnet18_blocks(info.input_shape, e, checkpointed)
+        return blocks, act.Loss(e * info.num_classes + act.INDEX_BYTES, e)
+
+    flops = flops_measured(module, info.input_shape, False)
+    return Model(
+        name, shapes, blocks, None, flops, 1, formula, block_outputs(module, info.input_shape, False)
+    )
+
+
+def custom_model(spec: str, sample_shape: Sequence[int] | None, tokens: bool) -> Model:
+    """`module:function`, built on the meta device (no memory used): its parameters; with a sample shape,
+    its FLOPs counted by FlopCounterMode. No activation formula (activations: not estimated)."""
+    module_name, _, function = spec.partition(":")
+    try:
+        built = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as e:
+        raise PlanError(f"--model {spec}: cannot import {function!r} from {module_name!r} ({e})") from None
+    with torch.device("meta"):
+        module = built()
+    if not isinstance(module, torch.nn.Module):
+        raise PlanError(f"--model {spec}: {function}() returned a {type(module).__name__}, not an nn.Module")
+    shapes = [tuple(p.shape) for p in module.parameters()]
+    blocks = [sum(p.numel() for p in child.parameters()) for child in module.children()] or [
+        sum(map(math.prod, shapes))
+    ]
+    flops = flops_measured(module, sample_shape, tokens) if sample_shape else None
+    tokens_per_sample = sample_shape[0] if tokens and sample_shape else 1
+    outputs = block_outputs(module, sample_shape, tokens) if sample_shape else None
+    return Model(spec, shapes, blocks, None, flops, tokens_per_sample, block_outputs=outputs)
+
+
+def parameters_only(count: int) -> Model:
+    """--params N: model states only (one flat tensor; no blocks, FLOPs or activations)."""
+    return Model(f"{count:,} parameters", [(count,)], [count])

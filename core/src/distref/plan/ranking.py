@@ -1,0 +1,86 @@
+"""The plan: every layout costed, ranked, each with one line of why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distref.plan.cluster import RESERVED_BYTES, Cluster, Training
+from distref.plan.costing import Row, cost
+from distref.plan.layouts import layouts
+from distref.plan.model import Model, PlanError
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class Plan:
+    model: Model
+    cluster: Cluster
+    training: Training
+    rows: list[Row]  # ranked: fitting rows by tokens/s per GPU, then the rest by memory
+    skipped: list[tuple[str, str]]
+
+    def smallest_cluster(self, limit: int = 2**16) -> tuple[int, Row] | None:
+        """Where nothing fits: the fewest GPUs (doubling) on which something would, and its best row."""
+        gpus = self.cluster.gpus * 2
+        while gpus <= limit:
+            bigger = make_plan(self.model, dataclasses.replace(self.cluster, gpus=gpus), self.training)
+            if bigger.rows and bigger.rows[0].fits:
+                return gpus, bigger.rows[0]
+            gpus *= 2
+        return None
+
+
+def make_plan(model: Model, cluster: Cluster, training: Training) -> Plan:
+    found, skipped = layouts(model, cluster)
+    rows = []
+    for layout in found:
+        try:
+            rows.append(cost(layout, model, cluster, training))
+        except PlanError as e:
+            skipped.append((f"{layout.strategy} {layout.mesh}", str(e)))
+    rows.sort(key=rank_key)
+    usable = cluster.gpu.memory_bytes - RESERVED_BYTES
+    for row in rows:
+        row.why = explain(row, usable, cluster)
+    return Plan(model, cluster, training, rows, skipped)
+
+
+def rank_key(row: Row) -> tuple:
+    """Fitting rows first, the most tokens per second per GPU first (to 3 significant digits: closer than
+    that the model cannot tell them apart), then the fewest extrapolations, the fewest bytes communicated
+    (the least exposed to the bandwidths assumed) and the least memory; rows without a time by memory;
+    rows that do not fit last."""
+    total = row.memory_per_gpu_bytes["total"]
+    if not row.fits:
+        return (2, total)
+    if row.tokens_per_s_per_gpu is None:
+        return (1, len(row.extrapolated), total)
+    speed = -float(f"{row.tokens_per_s_per_gpu:.3g}")
+    return (0, speed, len(row.extrapolated), sum(row.communication_bytes.values()), total)
+
+
+def explain(row: Row, usable: float, cluster: Cluster) -> str:
+    """One line of why: what bounds the row's step (compute, communication, memory)."""
+    memory = row.memory_per_gpu_bytes
+    states, activations, total = memory["model_states"], memory["activations"], memory["total"]
+    held = f"{gb(states)} states" + (f" + {gb(activations)} activations" if activations is not None else "")
+    if not row.fits:
+        return f"does not fit: {gb(total)} of {gb(usable)} usable ({held})"
+    room = f"{gb(total)} of {gb(usable)}"
+    if row.compute_s is None:
+        return f"fits, {room} ({held}); no FLOPs known: time not estimated"
+    link = max(row.communication_bytes, key=lambda k: row.communication_bytes[k] / cluster.bandwidth(k))
+    moved = row.communication_bytes[link]
+    seconds = moved / cluster.bandwidth(link)
+    where = "across nodes" if link == "inter_node" else "within the node"
+    exposed = row.step_s["overlap"] - row.compute_s
+    if exposed > 0.01 * row.compute_s:
+        return f"communication-bound: {gb(moved)} {where} adds {exposed:.2f} s to {row.compute_s:.2f} s of compute; {room}"
+    if not moved:
+        return f"compute-bound: {row.compute_s:.2f} s per step, nothing to communicate; {room}"
+    return f"compute-bound: {gb(moved)} {where} ({seconds:.2f} s) hides under {row.compute_s:.2f} s of compute; {room}"
+
+
+def gb(n: float | None) -> str:
+    return "—" if n is None else f"{n / 1e9:.1f} GB"

@@ -1,0 +1,171 @@
+"""The closed loop: the plan beside runs' records (`--validate RUN_DIR…`, and after every compare)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from distref.cost import activations as act
+from distref.distributed.partition import _SHAPES as PROJECT_DATASETS
+from distref.plan.cluster import DEFAULT_MFU, GPU, GPUS, Cluster, Training
+from distref.plan.costing import cost, peak, step_flops
+from distref.plan.layouts import Layout
+from distref.plan.model import Model, PlanError, decoder, project_model
+from distref.simulate import GPTShape
+
+GiB = 2**30
+
+IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its options)
+    "single": lambda world, o: Layout("ddp", dp=1),
+    "ddp": lambda world, o: Layout("ddp", dp=world),
+    "fsdp": lambda world, o: (
+        Layout("hsdp", dp=world, shard=world // o["hsdp"])
+        if o.get("hsdp", 1) > 1
+        else Layout("fsdp", dp=world)
+    ),
+    "deepspeed_zero": lambda world, o: Layout(f"zero{o['zero_stage']}", dp=world),
+    "tensor_parallel": lambda world, o: tensor_parallel_layout(world, o.get("dp_shard"), o.get("tp")),
+    "pipeline": lambda world, o: Layout(f"pp-{o['schedule']}", dp=o["dp"], pp=world // o["dp"]),
+    "model_parallel": lambda world, o: Layout("model_parallel", pp=world),
+}
+
+
+def tensor_parallel_layout(world: int, dp: int | None, tp: int | None) -> Layout:
+    """impls/tensor_parallel's mesh (its `mesh_shape`): the degree not given fills the world; neither
+    given, one tensor-parallel group."""
+    if tp is None:
+        dp = dp or 1
+        return Layout("tp", dp=dp, tp=max(1, world // dp))
+    return Layout("tp", dp=dp or max(1, world // tp), tp=tp)
+
+
+def dataset_info(config: dict[str, Any]):
+    """The DatasetInfo a run's model was built for, from its record's config."""
+    from distref.data.tensors import DatasetInfo
+
+    model, dataset = config["model"], config["dataset"]
+    if dataset == "synthetic" or dataset in ("mnist", "fashion-mnist", "digits", "cifar10"):
+        if model == "gpt":
+            return PROJECT_DATASETS["gpt"]
+        shape = (3, 32, 32) if model == "resnet18" or dataset == "cifar10" else (1, 28, 28)
+        return DatasetInfo(dataset, 10, shape, "image")
+    from distref.config import RunConfig
+    from distref.data.datasets import load_dataset
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    return load_dataset(RunConfig(**{k: v for k, v in config.items() if k in fields and k != "strategy"}))[2]
+
+
+def record_model(config: dict[str, Any]) -> Model:
+    info = dataset_info(config)
+    if config["model"] == "gpt":
+        shape = act.gpt_shape(info, config["gpt_layers"])
+        gpt_shape = GPTShape(shape["layers"], shape["hidden"], shape["heads"], shape["vocab"], shape["seq"])
+        return dataclasses.replace(decoder("gpt", gpt_shape), name=f"gpt ({info.name})")
+    model = project_model(config["model"])
+    if info.input_shape != PROJECT_DATASETS[config["model"]].input_shape:
+        raise PlanError(f"{config['model']} on {info.name}'s {info.input_shape} inputs: no preset shape")
+    return model
+
+
+def validate(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """Each run's record beside the plan for the same model, layout and batch (`validate_run`)."""
+    results = []
+    for run_dir in run_dirs:
+        path = Path(run_dir) / "record.json"
+        if not path.is_file():
+            raise PlanError(f"{run_dir}: no record.json (give the --out folder of a run)")
+        results.append({"run": str(run_dir), **validate_run(json.loads(path.read_text()))})
+    return results
+
+
+def validate_run(record: dict[str, Any]) -> dict[str, Any]:
+    """[measured, planned] model states, activations and communication (bus bytes) of the run's rank 0 (a
+    pipeline's: the plan's fullest rank), and its step time; on CPU, the plan's FLOPs over the measured
+    time say what utilisation of the peak the run reached. {"skipped": why} where the plan has none."""
+    impl, config, world = record["impl"]["name"], record["config"], record["world_size"]
+    if impl not in IMPL_LAYOUT or record.get("status") != "completed":
+        return {
+            "impl": impl,
+            "skipped": "not a completed run of an impl the plan lays out (nn.DataParallel: one process)",
+        }
+    precision = {"fp32": "fp32", "fp64": "fp64"}.get(config["precision"])
+    if precision is None:
+        return {
+            "impl": impl,
+            "skipped": f"--precision {config['precision']}: autocast has no activation formula",
+        }
+    options = config.get("extra") or {}
+    training = Training(
+        global_batch=config["global_batch_size"],
+        micro_batch=1,
+        precision=precision,
+        optimizer=config["optimizer"],
+        checkpointing=config["activation_checkpointing"],
+        mfu=DEFAULT_MFU,
+        grad_accum=options.get("microbatches") or config["grad_accum"],  # (a pipeline's: its micro-batches)
+    )
+    gpu = GPUS["cpu"] if record["environment"]["device"] == "cpu" else gpu_named(record["environment"])
+    model = record_model(config)
+    row = cost(IMPL_LAYOUT[impl](world, options), model, Cluster(gpu, world), training)
+    rank = row.pipeline_rank or 0
+    states = (record.get("model_state_bytes") or {rank: None})[rank]
+    communication = ((record.get("communication") or {}).get("measured") or {rank: None})[rank]
+    activations = ((record.get("activation_bytes") or {}).get("measured") or {rank: None})[rank]
+    step_s = config["global_batch_size"] / record["samples_per_s"] if record.get("samples_per_s") else None
+    flops = step_flops(model, training, world)
+    return {
+        "impl": impl,
+        "layout": f"{row.strategy} {row.mesh}",
+        "rank": rank,
+        "model_states": [sum(states.values()) if states else None, row.memory_per_gpu_bytes["model_states"]],
+        "activations": [activations, row.memory_per_gpu_bytes["activations"]],
+        "communication_bus_bytes": [
+            sum(entry.get("bus_bytes", 0) for entry in communication.values())
+            if communication is not None
+            else None,
+            sum(row.communication_bytes.values()),
+        ],
+        "step_s": [step_s, row.step_s["overlap"]],
+        "implied_mfu": flops / (peak(gpu, training.precision) * step_s) if flops and step_s else None,
+    }
+
+
+def gpu_named(environment: dict[str, Any]) -> GPU:
+    name = (environment.get("device_name") or "").lower()
+    for key, gpu in GPUS.items():
+        if key != "cpu" and gpu.name.split()[0].lower() in name and gpu.name.split()[1][:2] in name:
+            return gpu
+    return dataclasses.replace(GPUS["h100-80gb"], name=environment.get("device_name") or "GPU")
+
+
+def render_validation(results: list[dict[str, Any]]) -> str:
+    def pair(values, fmt) -> str:
+        measured, planned = values
+        if measured is None or planned is None:
+            return f"{fmt(measured)} vs {fmt(planned)}"
+        ratio = planned / measured if measured else math.inf if planned else 1.0
+        return f"{fmt(measured)} vs {fmt(planned)} ({ratio:.3f}×)"
+
+    def size(n) -> str:
+        return "—" if n is None else f"{n:,.0f} B"
+
+    def secs(n) -> str:
+        return "—" if n is None else f"{n:.3f} s"
+
+    lines = ["measured vs planned (rank 0, a pipeline's fullest rank; planned ÷ measured in brackets)"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"{r['run']} ({r['impl']}): skipped: {r['skipped']}")
+            continue
+        mfu = "—" if r["implied_mfu"] is None else f"{r['implied_mfu']:.1%}"
+        lines.append(
+            f"{r['run']} ({r['impl']}, {r['layout']}, rank {r['rank']}): model states {pair(r['model_states'], size)}; "
+            f"activations {pair(r['activations'], size)}; communication {pair(r['communication_bus_bytes'], size)} "
+            f"bus bytes; step {pair(r['step_s'], secs)}, implied MFU {mfu}"
+        )
+    return "\n".join(lines)
