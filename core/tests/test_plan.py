@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from distref.distributed.partition import balanced_cut_points, part_bounds
 from distref.models import gpt
 from distref.plan.cli import parse_args, resolve_model
 from distref.plan.cluster import GPUS, Cluster, Training
-from distref.plan.costing import cost, minimax_cut, order_world, schedule_orders, step_flops
+from distref.plan.costing import cost, minimax_cut, order_world, schedule_orders, step_flops, unit_shapes
 from distref.plan.layouts import Layout, layouts
 from distref.plan.model import MODELS, decoder, flops_measured, parameters_only, project_model
 from distref.plan.ranking import make_plan
@@ -230,3 +231,22 @@ def test_every_ranked_row_fits_before_any_that_does_not(capsys):
     assert code == 0 and fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
     fitting = [row["tokens_per_s_per_gpu"] for row in rows if row["fits"]]
     assert all(float(f"{a:.3g}") >= float(f"{b:.3g}") for a, b in itertools.pairwise(fitting))
+
+
+def test_each_collective_runs_on_the_link_its_group_spans():
+    """HSDP on 4 nodes of 8: the shard group's gathers and reduce-scatters in the node, the replicas'
+    all-reduce of each shard between nodes; tensor parallelism within a node, its FSDP between nodes."""
+    model, training = decoder("7b", MODELS["7b"]), Training(256, 1, "mixed", "adamw", False, 0.4)
+    cluster = Cluster(GPUS["h100-80gb"], 32)
+    hsdp = cost(Layout("hsdp", dp=32, shard=8), model, cluster, training)
+    shard_bytes = sum(
+        math.prod(shape) for unit in unit_shapes(model) for shape in unit
+    )  # (the model's elements; each rank's shard is 1/8, padded per row)
+    inter = hsdp.communication_bytes["inter_node"]
+    assert inter == pytest.approx(
+        2 * 3 / 4 * 2 * shard_bytes / 8, rel=1e-3
+    )  # all-reduce, 4 replicas, 2 bytes
+    assert hsdp.communication_bytes["intra_node"] > 10 * inter
+    tp = cost(Layout("tp", dp=8, tp=4), model, cluster, training)
+    one_node = cost(Layout("tp", dp=2, tp=4), model, Cluster(GPUS["h100-80gb"], 8), training)
+    assert one_node.communication_bytes["inter_node"] == 0 and tp.communication_bytes["inter_node"] > 0

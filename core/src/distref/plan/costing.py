@@ -50,6 +50,7 @@ class Row:
     memory_per_gpu_bytes: dict[str, float | None]
     fits: bool
     communication_bytes: dict[str, float]  # per step per GPU: bus bytes by link
+    communication_s: float  # those bytes over their links' bandwidths
     compute_s: float | None
     step_s: dict[str, float | None]  # no_overlap, overlap
     tokens_per_s_per_gpu: float | None
@@ -242,6 +243,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
         },
         fits=total <= usable,
         communication_bytes=communication,
+        communication_s=comm_s,
         compute_s=compute_s,
         step_s=step,
         tokens_per_s_per_gpu=tokens,

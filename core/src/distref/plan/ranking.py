@@ -48,7 +48,7 @@ def make_plan(model: Model, cluster: Cluster, training: Training) -> Plan:
 
 def rank_key(row: Row) -> tuple:
     """Fitting rows first, the most tokens per second per GPU first (to 3 significant digits: closer than
-    that the model cannot tell them apart), then the fewest extrapolations, the fewest bytes communicated
+    that the model cannot tell them apart), then the fewest extrapolations, the least time communicating
     (the least exposed to the bandwidths assumed) and the least memory; rows without a time by memory;
     rows that do not fit last."""
     total = row.memory_per_gpu_bytes["total"]
@@ -57,7 +57,7 @@ def rank_key(row: Row) -> tuple:
     if row.tokens_per_s_per_gpu is None:
         return (1, len(row.extrapolated), total)
     speed = -float(f"{row.tokens_per_s_per_gpu:.3g}")
-    return (0, speed, len(row.extrapolated), sum(row.communication_bytes.values()), total)
+    return (0, speed, len(row.extrapolated), row.communication_s, total)
 
 
 def explain(row: Row, usable: float, cluster: Cluster) -> str:
