@@ -180,13 +180,22 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
         (["--model", "125m", "--simulate", "999"], "--simulate 999: the plan has"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(argv, said):
+def test_bad_input_is_one_line_and_exit_2(argv, said, capsys):
+    try:
+        code = plan.main(argv)
+    except SystemExit as e:  # (argparse's own checks exit)
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and said in lines[0], err
+
+
+def test_the_command_line_says_it_in_one_line_and_exits_2():
+    """The same, as a user runs it: `python -m distref.plan`."""
     done = subprocess.run(
-        [sys.executable, "-m", "distref.plan", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "distref.plan", "--model", "9b"], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 2, done.stdout + done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and said in lines[0], done.stderr
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "unknown model '9b'" in done.stderr
 
 
 def test_project_models_and_any_module_are_planned(capsys, tmp_path, monkeypatch):
