@@ -144,6 +144,11 @@ def test_the_plan_equals_what_the_compare_runs_measured(compared, capsys):
         and f"{out / 'ddp'} (ddp, ddp dp2, rank 0): model states " in stdout
     )
     assert json.loads((out / "plan_validation.json").read_text()) == list(results.values())
+    # A run with an option the plan takes at its default is still compared, and says which
+    record = json.loads((out / "ddp" / "record.json").read_text())
+    record["config"]["extra"]["comm_hook"] = "bf16"
+    assert plan.validate_run(record)["not_planned"] == ["comm_hook=bf16"]
+    assert results["ddp"]["not_planned"] == []
 
 
 class _PageText(html.parser.HTMLParser):

@@ -147,7 +147,7 @@ def parameters_held(
     ]
 
 
-def _units(held: Sequence[tuple[str, Shape]], layers: int) -> list[list[Shape]]:
+def fsdp_units(held: Sequence[tuple[str, Shape]], layers: int) -> list[list[Shape]]:
     """The fully_shard units of apply_fsdp (embed, block0..., head), each its parameters' slices."""
     prefixes = ["embed.", *(f"block{i}." for i in range(layers)), "head."]
     return [[shape for name, shape in held if name.startswith(prefix)] for prefix in prefixes]
@@ -220,7 +220,7 @@ def tensor_parallel(
     if dp_shard == 1:
         return tp_part
     held = parameters_held(L, h, vocabulary, s, tp, tp_rank)
-    units = _units(held, L)
+    units = fsdp_units(held, L)
     sharded = fsdp(
         units,
         [True] * len(units),

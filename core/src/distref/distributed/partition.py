@@ -16,7 +16,7 @@ from distref.data.tensors import DatasetInfo
 from distref.models import build_model
 
 # A representative dataset per model: the block structure does not depend on the data's size.
-_SHAPES = {
+MODEL_DATASETS = {
     "lenet": DatasetInfo("mnist", 10, (1, 28, 28), "image"),
     "resnet18": DatasetInfo("cifar10", 10, (3, 32, 32), "image"),
     "gpt": DatasetInfo("synthetic", 11, (16,), "sequence"),
@@ -26,7 +26,7 @@ _SHAPES = {
 def block_sizes(model_name: str, gpt_layers: int = 2) -> dict[str, int]:
     """{block name: parameter count}, in order, without data or memory (built on the meta device)."""
     with torch.device("meta"):
-        model = build_model(model_name, _SHAPES[model_name], gpt_layers)
+        model = build_model(model_name, MODEL_DATASETS[model_name], gpt_layers)
     return {name: sum(p.numel() for p in block.parameters()) for name, block in model.named_children()}
 
 

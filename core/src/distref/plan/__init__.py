@@ -34,7 +34,7 @@ from distref.plan.costing import Row, cost
 from distref.plan.layouts import Layout
 from distref.plan.model import MODELS, Model, PlanError
 from distref.plan.ranking import Plan, make_plan
-from distref.plan.validate import render_validation, validate
+from distref.plan.validate import render_validation, validate, validate_run
 
 __all__ = [
     "GPUS",
@@ -51,4 +51,5 @@ __all__ = [
     "make_plan",
     "render_validation",
     "validate",
+    "validate_run",
 ]

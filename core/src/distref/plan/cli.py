@@ -10,15 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from distref.config import OneLineErrorParser, positive_int
-from distref.distributed.partition import _SHAPES as PROJECT_DATASETS
+from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.plan.cluster import DEFAULT_MFU, GPUS, RESERVED_BYTES, Cluster, Training
 from distref.plan.model import MODELS, Model, PlanError, custom_model, decoder, parameters_only, project_model
 from distref.plan.output import plot, render_markdown, render_text
 from distref.plan.ranking import make_plan
 from distref.plan.simulation import simulate_row
 from distref.plan.validate import render_validation, validate
-
-GiB = 2**30
 
 
 def resolve_model(args: argparse.Namespace) -> Model:

@@ -7,8 +7,6 @@ import math
 
 GiB = 2**30
 
-GiB = 2**30
-
 
 @dataclasses.dataclass(frozen=True)
 class GPU:

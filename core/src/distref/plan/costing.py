@@ -16,13 +16,13 @@ import torch
 from distref.cost import activations as act
 from distref.cost.counts import Counts, add, merge
 from distref.cost.data_parallel import ddp as ddp_communication
-from distref.cost.memory import mixed_precision, replicated
+from distref.cost.memory import ZERO_PARTITIONS, mixed_precision, replicated
 from distref.cost.pipeline import model_parallel as model_parallel_communication
 from distref.cost.pipeline import pipeline as pipeline_communication
 from distref.cost.sharded import fsdp as fsdp_communication
 from distref.cost.sharded import fsdp_model_states
 from distref.cost.tensor_parallel import (
-    _units,
+    fsdp_units,
     parameters_held,
     tensor_parallel,
     tensor_parallel_model_states,
@@ -35,8 +35,6 @@ from distref.plan.layouts import Layout
 from distref.plan.model import Model, PlanError
 from distref.simulate import IMPLS_DIR
 
-GiB = 2**30
-
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 ZERO_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
 ZERO_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size default (elements)
@@ -45,6 +43,9 @@ MEASURED_WORLD, SIMULATED_WORLD = 4, 512  # the largest worlds the tests run for
 
 @dataclasses.dataclass
 class Row:
+    """One layout costed: per GPU (a pipeline's fullest rank), one optimizer step of `micro_batch` samples
+    × `grad_accum` micro-steps. `extrapolated`: what its numbers rest on that no test measured."""
+
     strategy: str
     mesh: str
     memory_per_gpu_bytes: dict[str, float | None]
@@ -89,8 +90,9 @@ def micro_steps(training: Training, replicas: int) -> tuple[int, int]:
 def data_parallel_states(layout: Layout, model: Model, training: Training) -> tuple[dict[str, float], float]:
     """(model states on the GPU, bytes offloaded to the CPU) for the data-parallel family."""
     n, strategy, e = layout.dp, layout.strategy.removesuffix("-offload"), training.element_bytes
-    over = {"ddp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n), "fsdp": (n, n, n)}
-    over["hsdp"] = (layout.shard,) * 3
+    # over how many ranks each of (parameters, gradients, optimizer states) is partitioned
+    over = {f"zero{stage}": tuple(n if cut else 1 for cut in cuts) for stage, cuts in ZERO_PARTITIONS.items()}
+    over |= {"ddp": over["zero0"], "fsdp": (n, n, n), "hsdp": (layout.shard,) * 3}
     numels = [math.prod(s) for s in model.shapes]
     if training.precision == "mixed":
         p, g, o = over[strategy]
@@ -98,7 +100,7 @@ def data_parallel_states(layout: Layout, model: Model, training: Training) -> tu
         if training.optimizer == "sgd":  # fp32 master and momentum: 8 bytes
             states["optimizer"] = 8 * model.parameters / o
     elif strategy == "ddp":
-        states = replicated([n * e for n in numels], training.optimizer, step_bytes=e)
+        states = replicated([numel * e for numel in numels], training.optimizer, step_bytes=e)
     elif strategy in ("fsdp", "hsdp"):
         shard = n if strategy == "fsdp" else layout.shard
         states = fsdp_model_states(model.shapes, shard, 0, e, training.optimizer, step_bytes=e)
@@ -324,7 +326,7 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
     )
     dp_counts: Counts = {}
     if d > 1:  # what FSDP adds over the dp ranks (as tensor_parallel computes it)
-        units = _units(
+        units = fsdp_units(
             parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0), shape.layers
         )
         dp_counts = fsdp_communication(

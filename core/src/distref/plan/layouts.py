@@ -8,13 +8,16 @@ import math
 from distref.plan.cluster import Cluster
 from distref.plan.model import Model
 
-GiB = 2**30
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev")
+# every GPU a replica of the model's work, what they share partitioned: DDP, DeepSpeed ZeRO, FSDP2
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload", "zero3-offload", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+    """A strategy on a mesh, as the impls lay it out: tensor parallelism over the innermost ranks, then the
+    pipeline's stages, data parallelism outermost."""
+
     strategy: str  # ddp, zero1-3, zero*-offload, fsdp, hsdp, tp, pp-<schedule>, model_parallel
     dp: int = 1  # data-parallel ranks (for hsdp: shard × replicas)
     tp: int = 1
@@ -44,17 +47,7 @@ def layouts(model: Model, cluster: Cluster) -> tuple[list[Layout], list[tuple[st
     g, per_node = cluster.gpus, cluster.gpu.gpus_per_node
     found: list[Layout] = []
     skipped: list[tuple[str, str]] = []
-    for strategy in (
-        "ddp",
-        "zero1",
-        "zero2",
-        "zero3",
-        "zero1-offload",
-        "zero2-offload",
-        "zero3-offload",
-        "fsdp",
-    ):
-        found.append(Layout(strategy, dp=g))
+    found += [Layout(strategy, dp=g) for strategy in DATA_PARALLEL]
     if cluster.nodes > 1 and g % per_node == 0:
         found.append(Layout("hsdp", dp=g, shard=per_node))
     else:

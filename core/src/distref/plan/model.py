@@ -11,16 +11,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from distref.cost import activations as act
-from distref.cost.tensor_parallel import (
-    gpt_parameters,
-)
-from distref.distributed.partition import _SHAPES as PROJECT_DATASETS
+from distref.cost.tensor_parallel import gpt_parameters
+from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.models import build_model
 from distref.simulate import PRESETS, GPTShape
-
-GiB = 2**30
-
-GiB = 2**30
 
 
 class PlanError(ValueError):

@@ -10,24 +10,11 @@ from distref.plan.cluster import RESERVED_BYTES
 from distref.plan.layouts import powers_of_two
 from distref.plan.ranking import Plan, gb, make_plan
 
-GiB = 2**30
-
 
 def table_rows(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
     """Header, cells and footnotes (what each row extrapolates)."""
-    header = [
-        "#",
-        "strategy",
-        "mesh",
-        "b×K",
-        "states",
-        "activations",
-        "total",
-        "fits",
-        "intra-node",
-        "inter-node",
-    ]
-    header += ["step s (overlap)", "tokens/s/GPU", "why"]
+    header = ["#", "strategy", "mesh", "b×K", "states", "activations", "total", "fits", "intra-node"]
+    header += ["inter-node", "step s (overlap)", "tokens/s/GPU", "why"]
     notes: list[str] = []
     cells = []
     for i, row in enumerate(plan.rows, 1):

@@ -9,8 +9,6 @@ from distref.plan.costing import Row, cost
 from distref.plan.layouts import layouts
 from distref.plan.model import Model, PlanError
 
-GiB = 2**30
-
 
 @dataclasses.dataclass
 class Plan:

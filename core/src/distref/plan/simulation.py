@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from distref.plan.cluster import GiB
 from distref.plan.costing import Row, cost
 from distref.plan.layouts import Layout
 from distref.plan.ranking import Plan, gb
-
-GiB = 2**30
 
 REAL_TENSORS_LIMIT = 2 * GiB  # model states a simulation on real tensors (DDP, DeepSpeed) may build here
 

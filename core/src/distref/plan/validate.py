@@ -10,14 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from distref.cost import activations as act
-from distref.distributed.partition import _SHAPES as PROJECT_DATASETS
+from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.plan.cluster import DEFAULT_MFU, GPU, GPUS, Cluster, Training
 from distref.plan.costing import cost, peak, step_flops
 from distref.plan.layouts import Layout
 from distref.plan.model import Model, PlanError, decoder, project_model
 from distref.simulate import GPTShape
-
-GiB = 2**30
 
 IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its options)
     "single": lambda world, o: Layout("ddp", dp=1),
@@ -31,6 +29,15 @@ IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its
     "tensor_parallel": lambda world, o: tensor_parallel_layout(world, o.get("dp_shard"), o.get("tp")),
     "pipeline": lambda world, o: Layout(f"pp-{o['schedule']}", dp=o["dp"], pp=world // o["dp"]),
     "model_parallel": lambda world, o: Layout("model_parallel", pp=world),
+}
+
+
+# Options the plan takes at their defaults: a run that changed one is compared, and the result says so
+PLANNED_AS = {
+    "ddp": {"comm_hook": "none"},
+    "fsdp": {"reshard_after_forward": True, "cpu_offload": False},
+    "deepspeed_zero": {"offload_optimizer": False, "offload_params": False},
+    "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True},
 }
 
 
@@ -118,10 +125,16 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     activations = ((record.get("activation_bytes") or {}).get("measured") or {rank: None})[rank]
     step_s = config["global_batch_size"] / record["samples_per_s"] if record.get("samples_per_s") else None
     flops = step_flops(model, training, world)
+    unplanned = [
+        f"{option}={options[option]}"
+        for option, planned in PLANNED_AS.get(impl, {}).items()
+        if options.get(option, planned) != planned
+    ]
     return {
         "impl": impl,
         "layout": f"{row.strategy} {row.mesh}",
         "rank": rank,
+        "not_planned": unplanned,
         "model_states": [sum(states.values()) if states else None, row.memory_per_gpu_bytes["model_states"]],
         "activations": [activations, row.memory_per_gpu_bytes["activations"]],
         "communication_bus_bytes": [
@@ -167,5 +180,10 @@ def render_validation(results: list[dict[str, Any]]) -> str:
             f"{r['run']} ({r['impl']}, {r['layout']}, rank {r['rank']}): model states {pair(r['model_states'], size)}; "
             f"activations {pair(r['activations'], size)}; communication {pair(r['communication_bus_bytes'], size)} "
             f"bus bytes; step {pair(r['step_s'], secs)}, implied MFU {mfu}"
+            + (
+                f" (the plan assumes the defaults of: {', '.join(r['not_planned'])})"
+                if r["not_planned"]
+                else ""
+            )
         )
     return "\n".join(lines)
