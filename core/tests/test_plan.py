@@ -87,6 +87,16 @@ def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
     assert "needs a decoder's shape" in dict(skipped)["tp"]
 
 
+def test_a_mesh_asked_for_is_the_only_one_planned(capsys):
+    """--tp 4 on 32 GPUs: tensor parallelism of degree 4 over 8 data-parallel groups, nothing else; --pp 3
+    on 24 GPUs (not a power of two: asked for, so planned)."""
+    code, out = run_plan(capsys, "--model", "7b", "--gpus", "32", "--tp", "4", "--json")
+    assert code == 0 and [(r["strategy"], r["mesh"]) for r in json.loads(out)] == [("tp", "dp8×tp4")]
+    code, out = run_plan(capsys, "--model", "7b", "--gpus", "24", "--pp", "3", "--json")
+    meshes = {r["mesh"] for r in json.loads(out)}
+    assert code == 0 and meshes == {"dp8×pp3"}
+
+
 def test_a_pipeline_s_memory_follows_its_schedule():
     """The fullest pipeline rank r holds M micro-batches of its stage under GPipe, min(M, p − r) under 1F1B
     (GPipe arXiv 1811.06965; PipeDream-Flush), and the bubble costs (p − 1)/M of compute."""
@@ -178,6 +188,8 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
         (["--model", "nowhere.module:build"], "cannot import 'build' from 'nowhere.module'"),
         (["--params", "1000", "--global-batch", "4"], "no layout can run"),
         (["--model", "125m", "--simulate", "999"], "--simulate 999: the plan has"),
+        (["--model", "7b", "--gpus", "32", "--tp", "3"], "--tp 3 does not divide the 32 GPUs"),
+        (["--model", "7b", "--tp", "2", "--pp", "2"], "no impl here combines tensor and pipeline"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, said, capsys):

@@ -58,6 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     hw.add_argument("--gpus", type=positive_int, help="GPUs in all (default: one node's)")
     hw.add_argument("--nodes", type=positive_int, help="nodes (GPUs = nodes × GPUs per node)")
     hw.add_argument("--gpus-per-node", type=positive_int)
+    hw.add_argument("--tp", type=positive_int, help="only meshes of this tensor-parallel degree")
+    hw.add_argument("--pp", type=positive_int, help="only meshes of this many pipeline stage ranks")
     hw.add_argument("--memory-gb", type=positive_float, help="memory per GPU, GB (10⁹ bytes)")
     hw.add_argument("--peak-tflops", type=positive_float, help="dense peak in the training's precision")
     hw.add_argument("--intra-node-gbps", type=positive_float, help="GB/s per GPU one way within a node")
@@ -152,6 +154,15 @@ def resolve_cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(gpu, gpus)
 
 
+def check_mesh(tp: int | None, pp: int | None, cluster: Cluster) -> None:
+    """A mesh asked for must divide the GPUs, and be one this project implements (2-D at most)."""
+    if (tp or 1) > 1 and (pp or 1) > 1:
+        raise PlanError(f"--tp {tp} with --pp {pp}: no impl here combines tensor and pipeline parallelism")
+    degree, name = (tp, "--tp") if (tp or 1) > 1 else (pp, "--pp")
+    if degree and cluster.gpus % degree:
+        raise PlanError(f"{name} {degree} does not divide the {cluster.gpus} GPUs")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -169,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             mfu=args.mfu,
             grad_accum=args.grad_accum,
         )
-        plan = make_plan(model, cluster, training)
+        check_mesh(args.tp, args.pp, cluster)
+        plan = make_plan(model, cluster, training, args.tp, args.pp)
     except PlanError as e:
         print(f"python -m distref.plan: error: {e}", file=sys.stderr)
         return 2

@@ -41,49 +41,57 @@ def powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
 
-def layouts(model: Model, cluster: Cluster) -> tuple[list[Layout], list[tuple[str, str]]]:
-    """Every strategy and mesh a user would try on `cluster` (powers of two per dimension), and what was
-    skipped, with why."""
+def layouts(
+    model: Model, cluster: Cluster, tp: int | None = None, pp: int | None = None
+) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """Every strategy and mesh a user would try on `cluster` (powers of two per dimension; only a tensor-
+    or pipeline-parallel degree `tp` / `pp` where one is given), and what was skipped, with why."""
     g, per_node = cluster.gpus, cluster.gpu.gpus_per_node
     found: list[Layout] = []
     skipped: list[tuple[str, str]] = []
-    found += [Layout(strategy, dp=g) for strategy in DATA_PARALLEL]
-    if cluster.nodes > 1 and g % per_node == 0:
-        found.append(Layout("hsdp", dp=g, shard=per_node))
-    else:
-        skipped.append(("hsdp", "one node: HSDP's replicas would be FSDP's shards"))
-    if g & (g - 1):
+    if tp in (None, 1) and pp in (None, 1):
+        found += [Layout(strategy, dp=g) for strategy in DATA_PARALLEL]
+        if cluster.nodes > 1 and g % per_node == 0:
+            found.append(Layout("hsdp", dp=g, shard=per_node))
+        else:
+            skipped.append(("hsdp", "one node: HSDP's replicas would be FSDP's shards"))
+    if g & (g - 1) and tp is None and pp is None:
         skipped.append(("tp, pp", f"{g} GPUs is not a power of two: meshes are searched in powers of two"))
         return found, skipped
     if model.gpt is None:
         skipped.append(("tp", "tensor parallelism needs a decoder's shape (--model 125m … 70b)"))
-    for tp in powers_of_two(g)[1:]:
-        if model.gpt is None:
+    for degree in ([tp] if tp else powers_of_two(g)[1:]) if pp in (None, 1) else []:
+        if model.gpt is None or degree == 1:
             break
         heads = model.gpt.heads
-        if tp > per_node:
+        if degree > per_node:
             skipped.append(
-                (f"tp{tp}", f"beyond a node's {per_node} GPUs: every layer's collectives would cross nodes")
+                (
+                    f"tp{degree}",
+                    f"beyond a node's {per_node} GPUs: every layer's collectives would cross nodes",
+                )
             )
-        elif heads % tp:
-            skipped.append((f"tp{tp}", f"must divide the {heads} attention heads"))
-        elif model.gpt.seq % tp:
+        elif heads % degree:
+            skipped.append((f"tp{degree}", f"must divide the {heads} attention heads"))
+        elif model.gpt.seq % degree:
             skipped.append(
-                (f"tp{tp}", f"sequence parallelism splits the {model.gpt.seq} positions: not evenly")
+                (f"tp{degree}", f"sequence parallelism splits the {model.gpt.seq} positions: not evenly")
             )
         else:
-            found.append(Layout("tp", dp=g // tp, tp=tp))
+            found.append(Layout("tp", dp=g // degree, tp=degree))
     blocks = len(model.block_parameters)
-    for pp in powers_of_two(g)[1:]:
+    for degree in ([pp] if pp else powers_of_two(g)[1:]) if tp in (None, 1) else []:
+        if degree == 1:
+            break
         if blocks < 2:
             skipped.append(("pp, model_parallel", "the model has no blocks to cut between"))
             break
         for schedule in SCHEDULES:
-            stages = pp * (1 if schedule in ("gpipe", "1f1b") else 2)
+            stages = degree * (1 if schedule in ("gpipe", "1f1b") else 2)
             if stages > blocks:
-                skipped.append((f"pp{pp}-{schedule}", f"more stages than the model's {blocks} blocks"))
+                skipped.append((f"pp{degree}-{schedule}", f"more stages than the model's {blocks} blocks"))
             else:
-                found.append(Layout(f"pp-{schedule}", dp=g // pp, pp=pp))
-        if pp == g and pp <= blocks:
-            found.append(Layout("model_parallel", pp=pp))
+                found.append(Layout(f"pp-{schedule}", dp=g // degree, pp=degree))
+        if degree == g and degree <= blocks:
+            found.append(Layout("model_parallel", pp=degree))
     return found, skipped

@@ -14,7 +14,7 @@ from distref.plan.ranking import Plan, gb, make_plan
 def table_rows(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
     """Header, cells and footnotes (what each row extrapolates)."""
     header = ["#", "strategy", "mesh", "b×K", "states", "activations", "total", "fits", "intra-node"]
-    header += ["inter-node", "step s (overlap)", "tokens/s/GPU", "why"]
+    header += ["inter-node", "step s (overlap / none)", "tokens/s/GPU", "why"]
     notes: list[str] = []
     cells = []
     for i, row in enumerate(plan.rows, 1):
@@ -24,7 +24,7 @@ def table_rows(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
                 notes.append(note)
             marks.append(str(notes.index(note) + 1))
         memory = row.memory_per_gpu_bytes
-        step = row.step_s["overlap"]
+        step, serial = row.step_s["overlap"], row.step_s["no_overlap"]
         cells.append(
             [
                 str(i) + (f" [{','.join(marks)}]" if marks else ""),
@@ -37,7 +37,7 @@ def table_rows(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
                 "yes" if row.fits else "no",
                 gb(row.communication_bytes["intra_node"]),
                 gb(row.communication_bytes["inter_node"]),
-                "—" if step is None else f"{step:.3f}",
+                "—" if step is None else f"{step:.3f} / {serial:.3f}",
                 "—" if row.tokens_per_s_per_gpu is None else f"{row.tokens_per_s_per_gpu:,.0f}",
                 row.why,
             ]

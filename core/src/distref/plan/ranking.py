@@ -17,20 +17,28 @@ class Plan:
     training: Training
     rows: list[Row]  # ranked: fitting rows by tokens/s per GPU, then the rest by memory
     skipped: list[tuple[str, str]]
+    tp: int | None = None  # the degrees asked for (--tp, --pp), if any
+    pp: int | None = None
 
     def smallest_cluster(self, limit: int = 2**16) -> tuple[int, Row] | None:
         """Where nothing fits: the fewest GPUs (doubling) on which something would, and its best row."""
         gpus = self.cluster.gpus * 2
         while gpus <= limit:
-            bigger = make_plan(self.model, dataclasses.replace(self.cluster, gpus=gpus), self.training)
+            bigger = make_plan(
+                self.model, dataclasses.replace(self.cluster, gpus=gpus), self.training, self.tp, self.pp
+            )
             if bigger.rows and bigger.rows[0].fits:
                 return gpus, bigger.rows[0]
             gpus *= 2
         return None
 
 
-def make_plan(model: Model, cluster: Cluster, training: Training) -> Plan:
-    found, skipped = layouts(model, cluster)
+def make_plan(
+    model: Model, cluster: Cluster, training: Training, tp: int | None = None, pp: int | None = None
+) -> Plan:
+    """Every layout (only those of tensor- or pipeline-parallel degree `tp` / `pp` where given) costed
+    and ranked."""
+    found, skipped = layouts(model, cluster, tp, pp)
     rows = []
     for layout in found:
         try:
@@ -41,7 +49,7 @@ def make_plan(model: Model, cluster: Cluster, training: Training) -> Plan:
     usable = cluster.gpu.memory_bytes - RESERVED_BYTES
     for row in rows:
         row.why = explain(row, usable, cluster)
-    return Plan(model, cluster, training, rows, skipped)
+    return Plan(model, cluster, training, rows, skipped, tp, pp)
 
 
 def rank_key(row: Row) -> tuple:
