@@ -36,7 +36,7 @@ def run_plan(capsys, *argv: str) -> tuple[int, str]:
 def test_the_interface_reproduces_the_zero_paper_example(capsys):
     """7.5B parameters, 64 GPUs, mixed-precision Adam: 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stages
     0-3 (Rajbhandari et al., Figure 1) — from `--params N --gpus G --json`, the interface the checks use."""
-    code, out = run_plan(capsys, "--params", "7500000000", "--gpus", "64", "--json")
+    code, out = run_plan(capsys, "--params", "7.5e9", "--gpus", "64", "--json")
     assert code == 0
     rows = {row["strategy"]: row for row in json.loads(out)}
     states = {name: rows[name]["memory_per_gpu_bytes"]["model_states"] for name in rows}
@@ -182,7 +182,8 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
         (["--model", "9b"], "unknown model '9b'"),
         (["--model", "7b", "--gpu", "v100"], "unknown GPU 'v100'"),
         (["--model", "7b", "--gpus", "12"], "12 GPUs do not fill nodes of 8"),
-        (["--params", "-5"], "must be a positive integer"),
+        (["--params", "-5"], "must be a positive whole number"),
+        (["--params", "2.5"], "must be a positive whole number"),
         (["--model", "7b", "--mfu", "1.5"], "a fraction of the peak"),
         (["--model", "7b", "--params", "10"], "give --model NAME or --params N"),
         (["--model", "nowhere.module:build"], "cannot import 'build' from 'nowhere.module'"),

@@ -45,7 +45,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument(
         "--model", help=f"a preset ({', '.join(MODELS)}), lenet, resnet18, gpt, or module:function"
     )
-    model.add_argument("--params", type=positive_int, help="a bare parameter count: model states only")
+    model.add_argument(
+        "--params",
+        type=parameter_count,
+        help="a bare parameter count (7500000000 or 7.5e9): model states only",
+    )
     model.add_argument("--seq", type=positive_int, help="sequence length (a preset's: 2048 or 4096)")
     model.add_argument(
         "--sample-shape", type=shape_of, help="module:function's input per sample, e.g. 3,224,224"
@@ -109,6 +113,17 @@ def shape_of(text: str) -> tuple[int, ...]:
     if not dims or min(dims) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
     return dims
+
+
+def parameter_count(text: str) -> int:
+    """A whole number of parameters, written out or as 7.5e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of parameters") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
+    return int(value)
 
 
 def positive_float(text: str) -> float:

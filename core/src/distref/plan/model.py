@@ -41,8 +41,9 @@ class Model:
     """What the planner knows of a model: its parameter shapes (model.parameters() order), its blocks (a
     pipeline cuts between them: each block's parameter count), the gpt shape where it is a decoder (tensor
     parallelism and the decoder formulas need it), FLOPs of one sample's forward and backward, what one
-    sample is in tokens, and the activation formula `activations(micro_batch, element_bytes,
-    checkpointed)` → (blocks, loss) of distref.cost.activations, or None where there is none."""
+    sample is in tokens, the activation formula `formula(element_bytes, checkpointed)` → (blocks, loss)
+    of distref.cost.activations (None where there is none), and each block's output per sample (what a
+    pipeline sends between stages)."""
 
     name: str
     shapes: list[tuple[int, ...]]
