@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,7 +122,7 @@ def parameter_count(text: str) -> int:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of parameters") from None
-    if value < 1 or value != int(value):
+    if not math.isfinite(value) or value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
     return int(value)
 
@@ -131,7 +132,7 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 
@@ -202,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not plan.rows:
         print(
-            f"python -m distref.plan: error: no layout can run: {'; '.join(w for _, w in plan.skipped)}",
+            f"python -m distref.plan: error: no layout can run: {'; '.join(dict.fromkeys(w for _, w in plan.skipped))}",
             file=sys.stderr,
         )
         return 2

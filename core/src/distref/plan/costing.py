@@ -38,6 +38,19 @@ from distref.simulate import IMPLS_DIR
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb default
 ZERO_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
 ZERO_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size default (elements)
+# When each data-parallel collective runs, as the impls run it: "steps" in any micro-step's forward or
+# backward (FSDP's and ZeRO-3's gathers, ZeRO-2's reductions), "last" in the last micro-step's backward
+# (DDP's all-reduce, FSDP's reduce-scatter: gradient sync only then), "after" once the backward is done
+# (ZeRO-1's reduction at the step boundary, ZeRO's all-gather of the updated parameters): never hidden.
+PHASES = {
+    "ddp": {"all_reduce": "last"},
+    "zero1": {},
+    "zero2": {"all_reduce": "steps"},
+    "zero3": {"all_gather": "steps", "reduce_scatter": "steps"},
+    "fsdp": {"all_gather": "steps", "reduce_scatter": "last", "all_reduce": "last"},
+}
+PHASES["hsdp"] = PHASES["fsdp"]
+K_OPTIMIZER = {"adamw": 12, "sgd": 8}  # mixed precision: fp32 master copy and the optimizer's fp32 states
 MEASURED_WORLD, SIMULATED_WORLD = 4, 512  # the largest worlds the tests run for real, and simulate
 
 
@@ -59,6 +72,7 @@ class Row:
     why: str = ""
     cpu_bytes: float = 0.0  # offloaded optimizer states, per GPU
     pipeline_rank: int | None = None  # the pipeline rank whose memory is given: the fullest
+    exposed: dict[str, Any] | None = None  # the communication adding most to the step: phase, link, bytes, s
     micro_batch: int = 0
     grad_accum: int = 0
     layout: Layout | None = None
@@ -87,8 +101,11 @@ def micro_steps(training: Training, replicas: int) -> tuple[int, int]:
     return b, training.global_batch // (replicas * b)
 
 
-def data_parallel_states(layout: Layout, model: Model, training: Training) -> tuple[dict[str, float], float]:
-    """(model states on the GPU, bytes offloaded to the CPU) for the data-parallel family."""
+def data_parallel_states(
+    layout: Layout, model: Model, training: Training, k: int
+) -> tuple[dict[str, float], float]:
+    """(model states on the GPU at their most, bytes offloaded to the CPU) for the data-parallel family,
+    `k` micro-steps per step."""
     n, strategy, e = layout.dp, layout.strategy.removesuffix("-offload"), training.element_bytes
     # over how many ranks each of (parameters, gradients, optimizer states) is partitioned
     over = {f"zero{stage}": tuple(n if cut else 1 for cut in cuts) for stage, cuts in ZERO_PARTITIONS.items()}
@@ -96,9 +113,13 @@ def data_parallel_states(layout: Layout, model: Model, training: Training) -> tu
     numels = [math.prod(s) for s in model.shapes]
     if training.precision == "mixed":
         p, g, o = over[strategy]
-        states = mixed_precision(model.parameters, parameters_over=p, gradients_over=g, optimizer_over=o)
-        if training.optimizer == "sgd":  # fp32 master and momentum: 8 bytes
-            states["optimizer"] = 8 * model.parameters / o
+        states = mixed_precision(
+            model.parameters,
+            parameters_over=p,
+            gradients_over=g,
+            optimizer_over=o,
+            k=K_OPTIMIZER[training.optimizer],
+        )
     elif strategy == "ddp":
         states = replicated([numel * e for numel in numels], training.optimizer, step_bytes=e)
     elif strategy in ("fsdp", "hsdp"):
@@ -108,6 +129,10 @@ def data_parallel_states(layout: Layout, model: Model, training: Training) -> tu
         states = zero_model_states(
             numels, n, 0, int(strategy[-1]), training.optimizer, element_bytes=e, step_bytes=e
         )
+    if strategy in ("fsdp", "hsdp") and k > 1:
+        # impls/fsdp syncs gradients only in the last micro-step: until then each rank accumulates them
+        # whole (FSDP2's set_requires_gradient_sync(False), as DDP's no_sync)
+        states["gradients"] = model.parameters * e
     offloaded = 0.0
     if layout.strategy.endswith("-offload"):  # ZeRO-Offload: the optimizer's states and step on the CPU
         offloaded = states["optimizer"]
@@ -141,6 +166,8 @@ def data_parallel_communication(
             notes,
         )
     stage = int(strategy[-1])
+    if n == 1:
+        return {}, notes
     counts = zero_communication(
         numels,
         n,
@@ -185,55 +212,74 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
             f"world {world}: formulas simulated up to {SIMULATED_WORLD} ranks, measured up to {MEASURED_WORLD}"
         )
     cpu_bytes = 0.0
-    links: dict[str, Counts] = {"intra_node": {}, "inter_node": {}}
-    overlapped = {"intra_node": 0.0, "inter_node": 0.0}  # bus bytes that hide under compute
-    bubble, worst_rank = 0.0, None
+    # Each collective's bus bytes by (when it runs: PHASES, the link its group spans)
+    timed: dict[tuple[str, str], Counts] = {}
+    slowdown, worst_rank = 0.0, None  # a pipeline's time over the ideal: its bubble, its slowest rank
+    b, k = micro_steps(training, layout.dp)
     if layout.tp == 1 and layout.pp == 1:  # the data-parallel family
-        b, k = micro_steps(training, layout.dp)
-        states, cpu_bytes = data_parallel_states(layout, model, training)
+        strategy = layout.strategy.removesuffix("-offload")
+        states, cpu_bytes = data_parallel_states(layout, model, training, k)
         activations = whole_model_activations(model, b, training)
         counts, more = data_parallel_communication(layout, model, training, k)
         notes += more
         if layout.strategy.endswith("-offload"):
             notes.append("offload: the CPU's optimizer step and PCIe copies not modelled (no formula)")
-        if layout.strategy == "hsdp":
-            link_of = {"all_reduce": cluster.link(layout.dp)}
-            shard_link = cluster.link(layout.shard)
-            for kind, entry in counts.items():
-                merge_into(links[link_of.get(kind, shard_link)], {kind: entry})
-        else:
-            merge_into(links[cluster.link(layout.dp)], counts)
-        for link, part in links.items():
-            overlapped[link] = bus(part)
+        for kind, entry in counts.items():
+            # HSDP: the replicas' all-reduce spans the nodes, the shard group's collectives one node
+            group = layout.shard if strategy == "hsdp" and kind != "all_reduce" else layout.dp
+            merge_into(
+                timed.setdefault((PHASES[strategy].get(kind, "after"), cluster.link(group)), {}),
+                {kind: entry},
+            )
     elif layout.tp > 1:
-        b, k = micro_steps(training, layout.dp)
         states, activations, tp_counts, dp_counts = tensor_parallel_costs(layout, model, training, b, k)
-        merge_into(links["intra_node"], tp_counts)
-        merge_into(links[cluster.link(layout.dp * layout.tp)], dp_counts)
-        overlapped[cluster.link(layout.dp * layout.tp)] += bus(dp_counts)
+        merge_into(timed.setdefault(("after", "intra_node"), {}), tp_counts)  # on the critical path
+        for kind, entry in dp_counts.items():  # FSDP over the dp groups
+            key = (PHASES["fsdp"].get(kind, "after"), cluster.link(layout.dp * layout.tp))
+            merge_into(timed.setdefault(key, {}), {kind: entry})
     else:
-        b, k = micro_steps(training, layout.dp)
-        states, activations, p2p, dp_counts, bubble, more, worst_rank = pipeline_costs(
+        states, activations, p2p, dp_counts, slowdown, more, worst_rank = pipeline_costs(
             layout, model, training, b, k
         )
         notes += more
-        merge_into(links[cluster.link(layout.pp)], p2p)
-        merge_into(links[cluster.link(layout.pp * layout.dp)], dp_counts)
-        overlapped[cluster.link(layout.pp * layout.dp)] += bus(dp_counts)
+        # (point-to-point on the critical path; the pipelines' all-reduce after the schedule)
+        merge_into(timed.setdefault(("after", cluster.link(layout.pp)), {}), p2p)
+        merge_into(timed.setdefault(("after", cluster.link(layout.pp * layout.dp)), {}), dp_counts)
+    if activations is None:
+        notes.append("activations: no formula for this model (whether it fits is judged on its model states)")
     states_total = sum(states.values())
     total = states_total + (activations or 0)
     usable = cluster.gpu.memory_bytes - RESERVED_BYTES
-    communication = {link: bus(part) for link, part in links.items()}
+    communication = {"intra_node": 0.0, "inter_node": 0.0}
+    seconds = {"steps": 0.0, "last": 0.0, "after": 0.0}
+    for (phase, link), counts in timed.items():
+        communication[link] += bus(counts)
+        seconds[phase] += bus(counts) / cluster.bandwidth(link)
+    comm_s = sum(seconds.values())
     compute_s = step_flops(model, training, world)
-    if compute_s is not None:
-        compute_s = compute_s / (peak(cluster.gpu, training.precision) * training.mfu) * (1 + bubble)
-    comm_s = sum(bytes_ / cluster.bandwidth(link) for link, bytes_ in communication.items())
-    hidden_s = sum(bytes_ / cluster.bandwidth(link) for link, bytes_ in overlapped.items())
     step = {"no_overlap": None, "overlap": None}
-    tokens = None
+    tokens, bound_by = None, None
     if compute_s is not None:
-        step = {"no_overlap": compute_s + comm_s, "overlap": max(compute_s, hidden_s) + (comm_s - hidden_s)}
+        compute_s = compute_s / (peak(cluster.gpu, training.precision) * training.mfu) * (1 + slowdown)
+        # what hides under compute: the last micro-step's backward (2/3 of its FLOPs) for what runs there,
+        # the rest of the step for what may run in any micro-step; nothing for what runs after
+        hidden_last = min(seconds["last"], compute_s * 2 / 3 / k)
+        hidden_steps = min(seconds["steps"], compute_s - hidden_last)
+        step = {"no_overlap": compute_s + comm_s, "overlap": compute_s + comm_s - hidden_last - hidden_steps}
         tokens = training.global_batch * model.tokens_per_sample / step["overlap"] / world
+        exposed = {
+            "steps": seconds["steps"] - hidden_steps,
+            "last": seconds["last"] - hidden_last,
+            "after": seconds["after"],
+        }
+        phase = max(exposed, key=exposed.get)
+        if exposed[phase] > 0:  # the phase adding the most to the step, and its busiest link
+            link = max(
+                ("intra_node", "inter_node"),
+                key=lambda link: bus(timed.get((phase, link), {})) / cluster.bandwidth(link),
+            )
+            bound_by = {"phase": phase, "link": link, "bytes": bus(timed.get((phase, link), {}))}
+            bound_by["exposed_s"] = exposed[phase]
     return Row(
         strategy=layout.strategy,
         mesh=layout.mesh,
@@ -252,6 +298,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
         extrapolated=notes,
         cpu_bytes=cpu_bytes,
         pipeline_rank=worst_rank,
+        exposed=bound_by,
         micro_batch=b,
         grad_accum=k,
         layout=layout,
@@ -297,7 +344,14 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
         held = sum(
             math.prod(s) for _, s in parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0)
         )
-        states = mixed_precision(held, parameters_over=d, gradients_over=d, optimizer_over=d)
+        states = mixed_precision(
+            held, parameters_over=d, gradients_over=d, optimizer_over=d, k=K_OPTIMIZER[training.optimizer]
+        )
+    if d > 1 and k > 1:  # (impls/tensor_parallel, as impls/fsdp: gradients whole until the last micro-step)
+        held = sum(
+            math.prod(s) for _, s in parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0)
+        )
+        states["gradients"] = held * e
     activations = tensor_parallel_activation_bytes(
         micro_batch=b,
         seq=shape.seq,
@@ -415,7 +469,8 @@ def pipeline_impl():
 def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: int):
     """impls/pipeline (p stage ranks, each of the dp pipelines all-reducing its parameters) or
     impls/model_parallel (one micro-batch after another): the worst rank's memory, its point-to-point
-    traffic and the dp all-reduce, the schedule's bubble."""
+    traffic and the dp all-reduce, and how much longer than ideal it computes: the schedule's bubble, and
+    the slowest rank's FLOPs over the mean rank's (the cut balances parameters, not FLOPs)."""
     p, e, notes = layout.pp, training.element_bytes, []
     m = k  # the pipeline runs the replica's micro-steps as its micro-batches
     if layout.strategy == "model_parallel":  # one micro-batch through every part before the next
@@ -438,7 +493,7 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
         mine = sorted({stage for _, stage, _ in orders[rank]})
         held = sum(stage_params[s] for s in mine)
         if training.precision == "mixed":
-            states = mixed_precision(held)
+            states = mixed_precision(held, k=K_OPTIMIZER[training.optimizer])
         else:
             tensors = [
                 math.prod(shape) * e for s in mine for unit in units[slice(*bounds[s])] for shape in unit
@@ -465,16 +520,25 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
     dp_counts: Counts = {}
     if layout.dp > 1:  # each pipeline rank's gradients summed over the dp pipelines
         add(dp_counts, "all_reduce", held * e, layout.dp)
-    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+    # The slowest rank sets the pace: its stages' FLOPs over the mean rank's (the cut balances parameters)
+    imbalance = 1.0
+    if model.block_flops:
+        work = [
+            sum(sum(model.block_flops[slice(*bounds[s])]) for s in {st for _, st, _ in orders[r]})
+            for r in range(p)
+        ]
+        imbalance = max(work) / (sum(work) / p) if sum(work) else 1.0
+    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b") and m >= p:
         notes.append(f"{schedule}'s bubble taken as none (its paper's claim; the report measures it)")
-    return states, activations, p2p, dp_counts, bubble, notes, worst_rank
+    return states, activations, p2p, dp_counts, (1 + bubble) * imbalance - 1, notes, worst_rank
 
 
 def pipeline_bubble(schedule: str, p: int, v: int, m: int) -> float:
     """Idle time over busy time: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved (Megatron-LM,
-    arXiv 2104.04473 §2.2); the zero-bubble schedules' taken as none."""
+    arXiv 2104.04473 §2.2). The zero-bubble schedules' taken as none once m ≥ p (what they are built for,
+    arXiv 2401.10241); with fewer micro-batches than stage ranks, the interleaved schedule's."""
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
-    if schedule == "interleaved-1f1b":
+    if schedule == "interleaved-1f1b" or m < p:
         return (p - 1) / (v * m)
     return 0.0

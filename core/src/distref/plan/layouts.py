@@ -49,8 +49,16 @@ def layouts(
     g, per_node = cluster.gpus, cluster.gpu.gpus_per_node
     found: list[Layout] = []
     skipped: list[tuple[str, str]] = []
-    if tp in (None, 1) and pp in (None, 1):
+    if tp in (None, 1) and pp in (None, 1) and g == 1:
+        found += [
+            Layout(strategy, dp=1)
+            for strategy in DATA_PARALLEL
+            if strategy in ("ddp",) or "offload" in strategy
+        ]
+        skipped.append(("zero1-3, fsdp", "one GPU: nothing to partition (DDP's numbers)"))
+    elif tp in (None, 1) and pp in (None, 1):
         found += [Layout(strategy, dp=g) for strategy in DATA_PARALLEL]
+    if tp in (None, 1) and pp in (None, 1):
         if cluster.nodes > 1 and g % per_node == 0:
             found.append(Layout("hsdp", dp=g, shard=per_node))
         else:

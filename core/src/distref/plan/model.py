@@ -53,6 +53,7 @@ class Model:
     tokens_per_sample: int = 1
     formula: Callable[[int, bool], tuple[list[act.Block], act.Loss]] | None = None
     block_outputs: list[int] | None = None  # elements of each block's output, per sample
+    block_flops: list[float] | None = None  # each block's forward and backward FLOPs, per sample
 
     @property
     def parameters(self) -> int:
@@ -76,7 +77,12 @@ def decoder(name: str, shape: GPTShape) -> Model:
         return blocks, act.Loss(element_bytes * s * shape.vocab + act.INDEX_BYTES * s, element_bytes)
 
     outputs = [shape.seq * shape.hidden] * (shape.layers + 1) + [shape.seq * shape.vocab]
-    return Model(name, shapes, per_block, shape, per_token * shape.seq, shape.seq, formula, outputs)
+    # per block: 6 per matmul weight and token, and each transformer block's attention, 12·h·s per token
+    attention = 12 * shape.hidden * shape.seq
+    flops = (
+        [0.0] + [(6 * n + attention) * shape.seq for n in per_block[1:-1]] + [6.0 * per_block[-1] * shape.seq]
+    )
+    return Model(name, shapes, per_block, shape, per_token * shape.seq, shape.seq, formula, outputs, flops)
 
 
 def block_prefixes(shape: GPTShape) -> list[str]:
@@ -85,6 +91,12 @@ def block_prefixes(shape: GPTShape) -> list[str]:
 
 def flops_measured(module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool) -> float:
     """One sample's forward and backward FLOPs, counted by torch's FlopCounterMode on the meta device."""
+    return sum(flops_by_block(module, sample_shape, tokens))
+
+
+def flops_by_block(module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool) -> list[float]:
+    """One sample's forward and backward FLOPs of each of an nn.Sequential's blocks (of anything else: one
+    figure), counted by torch's FlopCounterMode on the meta device."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
@@ -92,7 +104,10 @@ def flops_measured(module: torch.nn.Module, sample_shape: Sequence[int], tokens:
     with FlopCounterMode(display=False) as counter:
         out = module(x)
         out.float().sum().backward()
-    return float(counter.get_total_flops())
+    if not isinstance(module, torch.nn.Sequential):
+        return [float(counter.get_total_flops())]
+    counts, root = counter.get_flop_counts(), type(module).__name__
+    return [float(sum(counts.get(f"{root}.{name}", {}).values())) for name, _ in module.named_children()]
 
 
 def block_outputs(module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool) -> list[int] | None:
@@ -127,10 +142,9 @@ def project_model(name: str) -> Model:
         blocks = act.resnet18_blocks(info.input_shape, e, checkpointed)
         return blocks, act.Loss(e * info.num_classes + act.INDEX_BYTES, e)
 
-    flops = flops_measured(module, info.input_shape, False)
-    return Model(
-        name, shapes, blocks, None, flops, 1, formula, block_outputs(module, info.input_shape, False)
-    )
+    flops = flops_by_block(module, info.input_shape, False)
+    outputs = block_outputs(module, info.input_shape, False)
+    return Model(name, shapes, blocks, None, sum(flops), 1, formula, outputs, flops)
 
 
 def custom_model(spec: str, sample_shape: Sequence[int] | None, tokens: bool) -> Model:
@@ -141,18 +155,42 @@ def custom_model(spec: str, sample_shape: Sequence[int] | None, tokens: bool) ->
         built = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as e:
         raise PlanError(f"--model {spec}: cannot import {function!r} from {module_name!r} ({e})") from None
-    with torch.device("meta"):
-        module = built()
+    try:
+        with torch.device("meta"):
+            module = built()
+    except Exception as e:  # (the user's code: whatever it raises is said in one line)
+        raise PlanError(
+            f"--model {spec}: {function}() failed on the meta device: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(module, torch.nn.Module):
         raise PlanError(f"--model {spec}: {function}() returned a {type(module).__name__}, not an nn.Module")
-    shapes = [tuple(p.shape) for p in module.parameters()]
-    blocks = [sum(p.numel() for p in child.parameters()) for child in module.children()] or [
-        sum(map(math.prod, shapes))
-    ]
-    flops = flops_measured(module, sample_shape, tokens) if sample_shape else None
+    shapes = [tuple(p.shape) for p in module.parameters()]  # (a parameter shared by blocks: once)
+    # A pipeline cuts an nn.Sequential between its blocks; anything else is one block
+    blocks = [sum(map(math.prod, shapes))]
+    if isinstance(module, torch.nn.Sequential) and not list(module.parameters(recurse=False)):
+        seen: set[int] = set()
+        blocks = []
+        for child in module:
+            mine = [p for p in child.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            blocks.append(sum(p.numel() for p in mine))
+    flops = outputs = per_block = None
+    if sample_shape:
+        try:
+            per_block = flops_by_block(module, sample_shape, tokens)
+            flops = sum(per_block) or None  # (no FLOPs counted: no time)
+            outputs = block_outputs(module, sample_shape, tokens)
+        except Exception as e:
+            raise PlanError(
+                f"--model {spec} on --sample-shape {','.join(map(str, sample_shape))}: its forward failed "
+                f"on the meta device: {type(e).__name__}: {e}"
+            ) from None
     tokens_per_sample = sample_shape[0] if tokens and sample_shape else 1
-    outputs = block_outputs(module, sample_shape, tokens) if sample_shape else None
-    return Model(spec, shapes, blocks, None, flops, tokens_per_sample, block_outputs=outputs)
+    if per_block is not None and len(per_block) != len(blocks):
+        per_block = None  # (parameters on the Sequential itself: not cut into stages)
+    return Model(
+        spec, shapes, blocks, None, flops, tokens_per_sample, block_outputs=outputs, block_flops=per_block
+    )
 
 
 def parameters_only(count: int) -> Model:

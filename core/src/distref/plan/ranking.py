@@ -12,6 +12,8 @@ from distref.plan.model import Model, PlanError
 
 @dataclasses.dataclass
 class Plan:
+    """Every layout of `model` on `cluster` costed and ranked (`rows`), and the layouts skipped, with why."""
+
     model: Model
     cluster: Cluster
     training: Training
@@ -61,7 +63,7 @@ def rank_key(row: Row) -> tuple:
     if not row.fits:
         return (2, total)
     if row.tokens_per_s_per_gpu is None:
-        return (1, len(row.extrapolated), total)
+        return (1, total)
     speed = -float(f"{row.tokens_per_s_per_gpu:.3g}")
     return (0, speed, len(row.extrapolated), row.communication_s, total)
 
@@ -76,17 +78,20 @@ def explain(row: Row, usable: float, cluster: Cluster) -> str:
     room = f"{gb(total)} of {gb(usable)}"
     if row.compute_s is None:
         return f"fits, {room} ({held}); no FLOPs known: time not estimated"
-    link = max(row.communication_bytes, key=lambda k: row.communication_bytes[k] / cluster.bandwidth(k))
-    moved = row.communication_bytes[link]
-    seconds = moved / cluster.bandwidth(link)
-    where = "across nodes" if link == "inter_node" else "within the node"
-    exposed = row.step_s["overlap"] - row.compute_s
-    if exposed > 0.01 * row.compute_s:
-        return f"communication-bound: {gb(moved)} {where} adds {exposed:.2f} s to {row.compute_s:.2f} s of compute; {room}"
+    moved = sum(row.communication_bytes.values())
     if not moved:
         return f"compute-bound: {row.compute_s:.2f} s per step, nothing to communicate; {room}"
-    return f"compute-bound: {gb(moved)} {where} ({seconds:.2f} s) hides under {row.compute_s:.2f} s of compute; {room}"
+    exposed = row.exposed
+    if exposed and exposed["exposed_s"] > 0.01 * row.compute_s:
+        where = "across nodes" if exposed["link"] == "inter_node" else "within the node"
+        when = {"after": "not overlapped", "last": "in the last backward", "steps": "beyond the compute"}
+        return (
+            f"communication-bound: {gb(exposed['bytes'])} {where} {when[exposed['phase']]} adds "
+            f"{exposed['exposed_s']:.2f} s to {row.compute_s:.2f} s of compute; {room}"
+        )
+    return f"compute-bound: {gb(moved)} of communication hides under {row.compute_s:.2f} s of compute; {room}"
 
 
 def gb(n: float | None) -> str:
+    """Bytes in GB (10⁹ bytes), one decimal; — for none."""
     return "—" if n is None else f"{n / 1e9:.1f} GB"

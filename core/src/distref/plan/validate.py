@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -149,10 +150,15 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def gpu_named(environment: dict[str, Any]) -> GPU:
+    """The preset of a record's GPU, by its name ("NVIDIA H100 80GB HBM3", "NVIDIA L4"); others: H100's
+    figures under the record's name."""
     name = (environment.get("device_name") or "").lower()
-    for key, gpu in GPUS.items():
-        if key != "cpu" and gpu.name.split()[0].lower() in name and gpu.name.split()[1][:2] in name:
-            return gpu
+    if "h100" in name:
+        return GPUS["h100-80gb"]
+    if "a100" in name:
+        return GPUS["a100-40gb" if "40gb" in name.replace(" ", "") else "a100-80gb"]
+    if re.search(r"\bl4\b", name):
+        return GPUS["l4"]
     return dataclasses.replace(GPUS["h100-80gb"], name=environment.get("device_name") or "GPU")
 
 
