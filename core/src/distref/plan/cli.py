@@ -21,6 +21,7 @@ from distref.plan.validate import render_validation, validate
 
 
 def resolve_model(args: argparse.Namespace) -> Model:
+    """The model the options name: a preset, one of this project's, module:function, or --params N."""
     if args.params is not None:
         return parameters_only(args.params)
     name = args.model
@@ -38,6 +39,7 @@ def resolve_model(args: argparse.Namespace) -> Model:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; argparse's own errors in one line, exit 2 (OneLineErrorParser)."""
     parser = OneLineErrorParser(
         prog="python -m distref.plan",
         description="Which strategy for my model on my GPUs, from the formulas this project proves (docs/plan.md).",
@@ -128,6 +130,7 @@ def parameter_count(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
     try:
         value = float(text)
     except ValueError:
@@ -138,6 +141,7 @@ def positive_float(text: str) -> float:
 
 
 def fraction(text: str) -> float:
+    """An argparse type: a fraction of the peak, in (0, 1]."""
     value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"a fraction of the peak in (0, 1], got {text}")
@@ -145,6 +149,7 @@ def fraction(text: str) -> float:
 
 
 def resolve_cluster(args: argparse.Namespace) -> Cluster:
+    """The GPU preset with the figures overridden, and how many: --gpus, or --nodes of it."""
     if args.gpu not in GPUS:
         raise PlanError(f"unknown GPU {args.gpu!r}: one of {', '.join(GPUS)} (and override its figures)")
     gpu = GPUS[args.gpu]
@@ -180,6 +185,7 @@ def check_mesh(tp: int | None, pp: int | None, cluster: Cluster) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """python -m distref.plan: the plan (or --validate's comparison) on stdout; 2 and one line on bad input."""
     args = parse_args(argv)
     try:
         if args.validate:

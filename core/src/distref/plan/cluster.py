@@ -39,6 +39,9 @@ DEFAULT_MFU = 0.4
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
+    """`gpus` of one kind, `gpu.gpus_per_node` to a node; a group of consecutive ranks within a node runs
+    over the node's links, one spanning nodes over the network."""
+
     gpu: GPU
     gpus: int
 

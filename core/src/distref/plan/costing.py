@@ -143,6 +143,8 @@ def data_parallel_states(
 def data_parallel_communication(
     layout: Layout, model: Model, training: Training, k: int
 ) -> tuple[Counts, list[str]]:
+    """One step's collectives of the data-parallel family, `k` micro-steps, by the impl's own formula
+    (distref.cost), and what they extrapolate."""
     n, strategy = layout.dp, layout.strategy.removesuffix("-offload")
     e = training.element_bytes
     numels = [math.prod(s) for s in model.shapes]
@@ -311,14 +313,17 @@ def peak(gpu: GPU, precision: str) -> float:
 
 
 def bus(counts: Counts) -> float:
+    """Bus bytes of all the collectives in `counts`."""
     return sum(entry["bus_bytes"] for entry in counts.values())
 
 
 def merge_into(into: Counts, part: Counts) -> None:
+    """Add `part`'s calls and bytes to `into`."""
     into.update(merge(into, part))
 
 
 def whole_model_activations(model: Model, micro_batch: int, training: Training) -> float | None:
+    """A rank running the whole model on `micro_batch` samples (distref.cost.activations), if a formula."""
     if model.formula is None:
         return None
     return act.stage_bytes(*model.formula(training.element_bytes, training.checkpointing), micro_batch)

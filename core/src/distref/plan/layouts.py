@@ -38,6 +38,7 @@ class Layout:
 
 
 def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, … up to `limit`."""
     return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
 

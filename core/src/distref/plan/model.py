@@ -61,6 +61,7 @@ class Model:
 
 
 def decoder(name: str, shape: GPTShape) -> Model:
+    """A gpt of `shape`: its parameters, blocks, FLOPs (PaLM's formula) and activation formula."""
     params = gpt_parameters(shape.layers, shape.hidden, shape.vocab, shape.seq)
     shapes = [s for _, s, _ in params]
     per_block = [sum(math.prod(s) for n, s, _ in params if n.startswith(p)) for p in block_prefixes(shape)]
@@ -86,6 +87,7 @@ def decoder(name: str, shape: GPTShape) -> Model:
 
 
 def block_prefixes(shape: GPTShape) -> list[str]:
+    """The parameter-name prefix of each block: embed, block0…, head."""
     return ["embed.", *(f"block{i}." for i in range(shape.layers)), "head."]
 
 

@@ -46,6 +46,7 @@ def table_rows(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
 
 
 def heading(plan: Plan) -> str:
+    """One line: the model, the cluster, the training set-up."""
     c, t, m = plan.cluster, plan.training, plan.model
     return (
         f"{m.name} ({m.parameters / 1e9:.2f}B parameters) on {c.gpus} × {c.gpu.name} ({c.nodes} node(s) of "
@@ -55,6 +56,7 @@ def heading(plan: Plan) -> str:
 
 
 def render_text(plan: Plan) -> str:
+    """The plan as a terminal table (the why column last, unpadded), then its footer."""
     header, cells, notes = table_rows(plan)
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header) - 1)]
     lines = [heading(plan), ""]
@@ -65,6 +67,7 @@ def render_text(plan: Plan) -> str:
 
 
 def render_markdown(plan: Plan) -> str:
+    """The plan as a Markdown table, then its footer as a list."""
     header, cells, notes = table_rows(plan)
     lines = [f"**{heading(plan)}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in cells]
@@ -72,6 +75,7 @@ def render_markdown(plan: Plan) -> str:
 
 
 def footer(plan: Plan, notes: list[str]) -> list[str]:
+    """The footnotes, what the numbers are, what was skipped, and, where nothing fits, what would."""
     lines = [f"[{i}] extrapolated: {note}" for i, note in enumerate(notes, 1)]
     lines.append(
         "Memory per GPU; communication in bus bytes per step and GPU; times from FLOPs at the MFU and bytes at "

@@ -69,6 +69,7 @@ def dataset_info(config: dict[str, Any]):
 
 
 def record_model(config: dict[str, Any]) -> Model:
+    """The model a run's record says it trained, on its dataset's inputs."""
     info = dataset_info(config)
     if config["model"] == "gpt":
         shape = act.gpt_shape(info, config["gpt_layers"])
@@ -163,6 +164,8 @@ def gpu_named(environment: dict[str, Any]) -> GPU:
 
 
 def render_validation(results: list[dict[str, Any]]) -> str:
+    """One line per run: measured vs planned, planned ÷ measured in brackets."""
+
     def pair(values, fmt) -> str:
         measured, planned = values
         if measured is None or planned is None:
