@@ -137,7 +137,7 @@ def test_the_plan_equals_what_the_compare_runs_measured(compared, capsys):
     measured, planned = results["ddp"]["communication_bus_bytes"]
     assert measured > 0 and planned == pytest.approx(measured, rel=1e-12)
     text = plan.render_validation(list(results.values()))
-    assert text.count("(1.000×)") >= 5 and "implied MFU" in text
+    assert text.count("(1.000×, exact)") >= 5 and "implied MFU" in text
     _, stdout = compared  # compare prints it after every comparison, and keeps it beside the report
     assert (
         "plan: measured vs planned" in stdout
@@ -149,6 +149,30 @@ def test_the_plan_equals_what_the_compare_runs_measured(compared, capsys):
     record["config"]["extra"]["comm_hook"] = "bf16"
     assert plan.validate_run(record)["not_planned"] == ["comm_hook=bf16"]
     assert results["ddp"]["not_planned"] == []
+
+
+def test_validate_refuses_a_record_it_cannot_read_in_one_line(compared, tmp_path, capsys):
+    """A truncated record, one whose per-rank lists disagree with its world size: one line, exit 2; a run
+    that did not complete is skipped, saying so."""
+    from distref import plan
+
+    out, _ = compared
+    record = json.loads((out / "ddp" / "record.json").read_text())
+    cases = {
+        "truncated": (out / "ddp" / "record.json").read_text()[:300],
+        "world": json.dumps(record | {"world_size": 4}),
+        "failed": json.dumps(record | {"status": "failed"}),
+    }
+    for name, text in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "record.json").write_text(text)
+    assert plan.main(["--validate", str(tmp_path / "truncated")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a run record this plan can read (JSONDecodeError" in err
+    assert plan.main(["--validate", str(tmp_path / "world")]) == 2
+    assert "its model_state_bytes holds 2 ranks, its world_size says 4" in capsys.readouterr().err
+    assert plan.main(["--validate", str(tmp_path / "failed")]) == 0
+    assert "skipped: the run did not complete (status 'failed')" in capsys.readouterr().out
 
 
 class _PageText(html.parser.HTMLParser):

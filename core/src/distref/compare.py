@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nplan: {render_validation(validation)}", flush=True)
     except PlanError as e:
         print(f"\nplan: not validated: {e}", flush=True)
+    except Exception as e:  # (a diagnostic after the runs: it must not lose the report)
+        print(f"\nplan: not validated: {type(e).__name__}: {e}", flush=True)
 
     report = build_report([run_dir for _, _, _, run_dir, _ in plans], out, not_run=not_run)
     print(f"\nall {len(plans)} runs done in {time.perf_counter() - started:.0f}s; report: {report.resolve()}")

@@ -121,14 +121,12 @@ def data_parallel_states(
             k=K_OPTIMIZER[training.optimizer],
         )
     elif strategy == "ddp":
-        states = replicated([numel * e for numel in numels], training.optimizer, step_bytes=e)
+        states = replicated([numel * e for numel in numels], training.optimizer)
     elif strategy in ("fsdp", "hsdp"):
         shard = n if strategy == "fsdp" else layout.shard
-        states = fsdp_model_states(model.shapes, shard, 0, e, training.optimizer, step_bytes=e)
+        states = fsdp_model_states(model.shapes, shard, 0, e, training.optimizer)
     else:
-        states = zero_model_states(
-            numels, n, 0, int(strategy[-1]), training.optimizer, element_bytes=e, step_bytes=e
-        )
+        states = zero_model_states(numels, n, 0, int(strategy[-1]), training.optimizer, element_bytes=e)
     if strategy in ("fsdp", "hsdp") and k > 1:
         # impls/fsdp syncs gradients only in the last micro-step: until then each rank accumulates them
         # whole (FSDP2's set_requires_gradient_sync(False), as DDP's no_sync)
@@ -235,6 +233,10 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
             )
     elif layout.tp > 1:
         states, activations, tp_counts, dp_counts = tensor_parallel_costs(layout, model, training, b, k)
+        if layout.dp > 1:  # (impls/tensor_parallel has no activation formula on its 2-D mesh either)
+            notes.append(
+                "activations on the dp × tp mesh: the 1-D formula (FSDP2's gathered slices left out)"
+            )
         merge_into(timed.setdefault(("after", "intra_node"), {}), tp_counts)  # on the critical path
         for kind, entry in dp_counts.items():  # FSDP over the dp groups
             key = (PHASES["fsdp"].get(kind, "after"), cluster.link(layout.dp * layout.tp))
@@ -341,21 +343,18 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
     """impls/tensor_parallel's 2-D mesh (FSDP over dp, Megatron TP with sequence and loss parallelism)."""
     shape, t, d, e = model.gpt, layout.tp, layout.dp, training.element_bytes
     dims = dict(layers=shape.layers, hidden=shape.hidden, vocabulary=shape.vocab, sequence=shape.seq)
+    held = sum(
+        math.prod(s) for _, s in parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0)
+    )
     if training.precision != "mixed":
         states = tensor_parallel_model_states(
-            **dims, tp=t, tp_rank=0, optimizer=training.optimizer, dp_shard=d, element_bytes=e, step_bytes=e
+            **dims, tp=t, tp_rank=0, optimizer=training.optimizer, dp_shard=d, element_bytes=e
         )
     else:
-        held = sum(
-            math.prod(s) for _, s in parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0)
-        )
         states = mixed_precision(
             held, parameters_over=d, gradients_over=d, optimizer_over=d, k=K_OPTIMIZER[training.optimizer]
         )
     if d > 1 and k > 1:  # (impls/tensor_parallel, as impls/fsdp: gradients whole until the last micro-step)
-        held = sum(
-            math.prod(s) for _, s in parameters_held(shape.layers, shape.hidden, shape.vocab, shape.seq, t, 0)
-        )
         states["gradients"] = held * e
     activations = tensor_parallel_activation_bytes(
         micro_batch=b,
@@ -503,7 +502,7 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
             tensors = [
                 math.prod(shape) * e for s in mine for unit in units[slice(*bounds[s])] for shape in unit
             ]
-            states = replicated(tensors, training.optimizer, step_bytes=e)
+            states = replicated(tensors, training.optimizer)
         held_activations = None
         if blocks_and_loss is not None:
             held_activations = act.held_in_rank(*blocks_and_loss, bounds, orders[rank], b)

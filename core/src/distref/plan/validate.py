@@ -87,8 +87,16 @@ def validate(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
     for run_dir in run_dirs:
         path = Path(run_dir) / "record.json"
         if not path.is_file():
-            raise PlanError(f"{run_dir}: no record.json (give the --out folder of a run)")
-        results.append({"run": str(run_dir), **validate_run(json.loads(path.read_text()))})
+            raise PlanError(f"{run_dir}: no record.json in it (give the --out folder of a run)")
+        try:
+            record = json.loads(path.read_text())
+            results.append({"run": str(run_dir), **validate_run(record)})
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise PlanError(
+                f"{path} is not a run record this plan can read ({type(e).__name__}: {e})"
+            ) from None
     return results
 
 
@@ -97,18 +105,25 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     pipeline's: the plan's fullest rank), and its step time; on CPU, the plan's FLOPs over the measured
     time say what utilisation of the peak the run reached. {"skipped": why} where the plan has none."""
     impl, config, world = record["impl"]["name"], record["config"], record["world_size"]
-    if impl not in IMPL_LAYOUT or record.get("status") != "completed":
-        return {
-            "impl": impl,
-            "skipped": "not a completed run of an impl the plan lays out (nn.DataParallel: one process)",
-        }
+    if impl not in IMPL_LAYOUT:
+        why = "nn.DataParallel: one process" if impl == "dataparallel" else "not one of this project's impls"
+        return {"impl": impl, "skipped": f"no layout for impl {impl!r} ({why})"}
+    if record.get("status") != "completed":
+        return {"impl": impl, "skipped": f"the run did not complete (status {record.get('status')!r})"}
+    for name in ("model_state_bytes", "activation_bytes", "communication"):
+        per_rank = record.get(name)
+        per_rank = per_rank.get("measured") if isinstance(per_rank, dict) else per_rank
+        if per_rank is not None and len(per_rank) != world:
+            raise PlanError(f"its {name} holds {len(per_rank)} ranks, its world_size says {world}")
+    options = config.get("extra") or {}
+    if impl == "fsdp" and world % (options.get("hsdp") or 1):
+        raise PlanError(f"--hsdp {options['hsdp']} does not divide its {world} ranks")
     precision = {"fp32": "fp32", "fp64": "fp64"}.get(config["precision"])
     if precision is None:
         return {
             "impl": impl,
             "skipped": f"--precision {config['precision']}: autocast has no activation formula",
         }
-    options = config.get("extra") or {}
     training = Training(
         global_batch=config["global_batch_size"],
         micro_batch=1,
@@ -132,11 +147,22 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         for option, planned in PLANNED_AS.get(impl, {}).items()
         if options.get(option, planned) != planned
     ]
+    notes = []
+    if (
+        row.strategy in ("fsdp", "hsdp", "tp")
+        and row.grad_accum > 1
+        and (row.strategy != "tp" or row.layout.dp > 1)
+    ):
+        notes.append(
+            "gradients: the plan gives their peak, whole while micro-steps accumulate; the record measures them "
+            "sharded, after the step"
+        )
     return {
         "impl": impl,
         "layout": f"{row.strategy} {row.mesh}",
         "rank": rank,
         "not_planned": unplanned,
+        "notes": notes,
         "model_states": [sum(states.values()) if states else None, row.memory_per_gpu_bytes["model_states"]],
         "activations": [activations, row.memory_per_gpu_bytes["activations"]],
         "communication_bus_bytes": [
@@ -170,8 +196,11 @@ def render_validation(results: list[dict[str, Any]]) -> str:
         measured, planned = values
         if measured is None or planned is None:
             return f"{fmt(measured)} vs {fmt(planned)}"
-        ratio = planned / measured if measured else math.inf if planned else 1.0
-        return f"{fmt(measured)} vs {fmt(planned)} ({ratio:.3f}×)"
+        if planned == measured:
+            return f"{fmt(measured)} vs {fmt(planned)} (1.000×, exact)"
+        ratio = planned / measured if measured else math.inf
+        difference = planned - measured
+        return f"{fmt(measured)} vs {fmt(planned)} ({ratio:.4f}×, {'+' if difference > 0 else ''}{fmt(difference)})"
 
     def size(n) -> str:
         return "—" if n is None else f"{n:,.0f} B"
@@ -194,5 +223,6 @@ def render_validation(results: list[dict[str, Any]]) -> str:
                 if r["not_planned"]
                 else ""
             )
+            + "".join(f"; {note}" for note in r["notes"])
         )
     return "\n".join(lines)
