@@ -37,10 +37,23 @@ def _remember_the_running_test(request):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """With `-m faults`: the faults table (distref.testing.fault_table)."""
+    """With `-m faults`: the faults table (distref.testing.fault_table); after the SLURM tests, their jobs."""
     if "faults" in (config.getoption("markexpr") or ""):
         for line in fault_table(terminalreporter.stats):
             terminalreporter.write_line(line)
+    rows = [
+        value
+        for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+        for key, value in getattr(report, "user_properties", [])
+        if key == "slurm_job"
+    ]
+    if rows:  # `nox -s slurm`: each job the parity tests submitted
+        terminalreporter.write_line(
+            "\n| impl | script | job | state | ranks on | max rel. diff from single |"
+        )
+        terminalreporter.write_line("|---|---|---|---|---|---|")
+        for row in sorted(rows):
+            terminalreporter.write_line(row)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -54,8 +67,14 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"a gpu test skipped where DISTREF_REQUIRE_GPU=1: {report.longrepr}"
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    slurm_selected = "slurm" in (config.getoption("markexpr") or "")
     for item in items:
+        if item.get_closest_marker("slurm") and not slurm_selected:
+            # They start a SLURM cluster (root, Debian's packages): `nox -s slurm` runs them after the tests.
+            item.add_marker(
+                pytest.mark.skip(reason="a SLURM cluster test: `nox -s slurm` (-m slurm) runs it")
+            )
         if item.get_closest_marker("faults") and getattr(item, "function", None) is not None:
             item.user_properties.append(("expected", expected_behaviour(item.function)))
 

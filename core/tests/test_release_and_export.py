@@ -329,10 +329,14 @@ def assert_every_command_works_there(readme: str, dest: Path) -> None:
         assert not re.search(r"\bnox\b|python -m distref\.|\bimpls/|\bci/|benchmark\.py", command), command
     for target in re.findall(r"\]\(([^)#\s]+)", readme):  # every relative link has its file there
         assert "://" in target or (dest / target).exists(), f"a link to {target}, not in the export"
+    for command in commands:
         words = command.split()
         for python, script in itertools.pairwise(words):  # `python FILE`: a file of the project
             if python in ("python", "python3") and script.endswith(".py"):
                 assert (dest / script).is_file(), f"{command}: no {script} in the export"
+        for word in words:  # a launch file (sbatch SCRIPT, kubectl apply -f MANIFEST): shipped
+            if word.endswith((".sbatch", ".yaml")):
+                assert (dest / word).is_file(), f"{command}: no {word} in the export"
 
 
 def test_export_refuses_a_non_empty_destination(tmp_path):
@@ -359,3 +363,21 @@ def test_an_export_from_outside_git_is_valid_python(monkeypatch, tmp_path):
     namespace: dict = {}
     exec(compile((dest / "distref_ddp" / "__init__.py").read_text(), "__init__.py", "exec"), namespace)
     assert namespace["EXPORTED_FROM"]["git_sha"] is None and namespace["EXPORTED_FROM"]["impl"] == "ddp"
+
+
+def test_a_multi_process_export_ships_the_cluster_launch_files(tmp_path):
+    """Both SLURM scripts and the impl's own PyTorchJob manifest, running the export's train.py; none for
+    single, which starts no ranks."""
+    import yaml
+
+    dest = export("ddp", tmp_path / "my-ddp")
+    for script in ("srun.sbatch", "torchrun.sbatch"):
+        path = dest / "launch" / "slurm" / script
+        assert os.access(path, os.X_OK) and "impls/" not in path.read_text()
+        assert f"launch/slurm/{script} train.py" in path.read_text()  # its usage line, as it is here
+    assert [p.name for p in (dest / "launch" / "kubernetes").iterdir()] == ["ddp.yaml"]
+    job = yaml.safe_load((dest / "launch" / "kubernetes" / "ddp.yaml").read_text())
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["template"]["spec"]["containers"][0]["command"] == ["python", "train.py"]
+    assert "launch/slurm/srun.sbatch train.py" in (dest / "README.md").read_text()
+    assert not (export("single", tmp_path / "my-single") / "launch").exists()

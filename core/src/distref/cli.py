@@ -38,6 +38,7 @@ from distref.config import (
 )
 from distref.data.datasets import train_set_size
 from distref.data.tensors import DataError
+from distref.schedulers import take_rank_from_scheduler
 from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
 
 
@@ -191,6 +192,14 @@ def build_parser(
             "(use with --checkpoint-dir and --resume auto)",
         )
         q(
+            "--check-ranks",
+            metavar="N",
+            type=positive_int,
+            help="check the options for a run of N ranks in all (every node's), say so in one line, and "
+            "exit without starting any: what a job script runs before its launcher "
+            "(launch/slurm/torchrun.sbatch), so that bad input is one line, not a failure per rank",
+        )
+        q(
             "--timeout",
             metavar="SECONDS",
             type=positive_float,
@@ -202,7 +211,11 @@ def build_parser(
     return parser
 
 
-LAUNCH_OPTIONS = ("nproc_per_node", "max_restarts")  # the launcher's, not the run's: not in RunConfig
+LAUNCH_OPTIONS = (
+    "nproc_per_node",
+    "max_restarts",
+    "check_ranks",
+)  # the launcher's, not the run's: not in RunConfig
 
 
 def parse_config(
@@ -227,6 +240,8 @@ def parse_config(
     that would start ranks are then refused, not ignored. `strategy_options` is the impl's frozen dataclass
     of its own options (those `add_options` adds, by the same names): `cfg.strategy`."""
     PARSE_TIMES.append(time.perf_counter())  # a run begins (the record's start-up counts from here on)
+    if distributed:  # srun's tasks, a PyTorchJob's pods: ranks, by torchrun's variables (distref.schedulers)
+        take_rank_from_scheduler()
     parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
@@ -236,7 +251,12 @@ def parse_config(
     cfg = RunConfig(**core, strategy=strategy_options(**own) if strategy_options else None)
     if cfg.epochs is None and cfg.steps is None:
         cfg = dataclasses.replace(cfg, epochs=1)
-    if world_size is None and distributed and under_torchrun():
+    checking = launch.get("check_ranks")
+    if checking and under_torchrun():
+        parser.error("--check-ranks checks options before a launcher starts the ranks, not in a rank")
+    if checking:
+        world_size = checking
+    elif world_size is None and distributed and under_torchrun():
         if launch["nproc_per_node"] is not None or launch["max_restarts"]:
             parser.error(
                 "--nproc-per-node/--max-restarts start ranks from plain python; give them to torchrun"
@@ -250,10 +270,13 @@ def parse_config(
         cfg = dataclasses.replace(cfg, launch=Launch(world_size, launch["max_restarts"]))
     shards = (world_size or 1) if splits_batch else 1
     problem = validate(cfg, shards) or (check(cfg, world_size or 1) if check else None)
-    if not problem and distributed and not (one_process and one_process(cfg)):
-        problem = gpus_problem(cfg, world_size or 1)
+    if not problem and distributed and not checking and not (one_process and one_process(cfg)):
+        problem = gpus_problem(cfg, world_size or 1)  # (checked by each node's ranks when checking)
     if problem:
         parser.error(problem)
+    if checking:
+        print(f"{impl}: the options fit a run of {checking} ranks")
+        sys.exit(0)
     return cfg
 
 

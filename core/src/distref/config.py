@@ -177,7 +177,8 @@ def fraction(text: str) -> float:
 
 
 def under_torchrun() -> bool:
-    """Whether this process is a rank started by torchrun (or torch.distributed.run), which sets these."""
+    """Whether this process is a rank started by torchrun (or torch.distributed.run), which sets these, or
+    a task of srun or a PyTorchJob pod made one (distref.schedulers.take_rank_from_scheduler)."""
     return "LOCAL_RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 

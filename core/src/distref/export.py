@@ -3,7 +3,8 @@
     python -m distref.export ddp ~/src/my-trainer          (or: nox -s export -- ddp ~/src/my-trainer)
 
 DEST receives the impl's train.py, README.md, CHANGELOG.md and tests, the constraints file that pins
-torch (install through it: pip must never pick a torch for you), and the core modules train.py
+torch (install through it: pip must never pick a torch for you), the cluster launch files of a
+multi-process impl (launch/slurm/*.sbatch, its launch/kubernetes manifest), and the core modules train.py
 needs (found by following its imports), **vendored** as the package `distref_<impl>` with the imports
 rewritten to it — so DEST runs without this repo, and never clashes with an installed distref. The tests
 come with their fixtures (conftest.py), the helpers they import (distref.testing) and, as the parity
@@ -197,6 +198,8 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
             )
         (dest / name).write_text(rewrite_imports(text, package) if name.endswith(".py") else text)
     shutil.copy(REPO / "ci" / "constraints.txt", dest / "constraints.txt")
+    if impl_project.get("tool", {}).get("distref", {}).get("launcher") == "torchrun":
+        copy_launch_files(impl, dest)
     if impl != "single":
         baseline = dest / "baseline" / "single"
         baseline.mkdir(parents=True)
@@ -248,6 +251,21 @@ addopts = "-ra --import-mode=importlib"
 markers = {json.dumps(pytest_markers())}
 ''')
     return dest
+
+
+def copy_launch_files(impl: str, dest: Path) -> None:
+    """The cluster launch files (launch/): both SLURM scripts, and the impl's PyTorchJob manifest where it
+    has one, with its train.py where the export has it."""
+    for source in sorted((REPO / "launch").rglob("*")):
+        relative = source.relative_to(REPO)
+        if source.is_dir() or (source.suffix == ".yaml" and source.stem != impl):
+            continue
+        target = dest / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = source.read_text().replace(f"impls/{impl}/train.py", "train.py")
+        text = re.sub(r"impls/\w+/train\.py", "train.py", text)  # the scripts' examples: this impl's
+        target.write_text(text.replace("docs/clusters.md", "distref's docs/clusters.md"))
+        target.chmod(source.stat().st_mode)
 
 
 def pytest_markers() -> list[str]:

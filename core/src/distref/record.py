@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from distref.config import PARSE_TIMES, RunConfig, under_torchrun
+from distref.schedulers import scheduler_info
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
@@ -145,7 +146,14 @@ def environment(device: torch.device, backend: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count() or 1,
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "threads_per_rank": torch.get_num_threads(),
+        "scheduler": scheduler_info(),  # the SLURM job (id, nodes, how it was launched), or None
+        # each rank's node, by rank: SLURM's node name where there is one (two nodes may share a host)
+        "rank_nodes": [node_name()],
     }
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _now() -> str:

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,6 @@ from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
-    ROOT,
     batchnorm_args,
     check_activations_predicted,
     check_communication_predicted,
@@ -401,51 +399,6 @@ def test_a_diverged_run_stops_every_rank_in_one_line(tmp_path):
         "Checkpoints from before it are kept"
     ]
     assert record["status"] == "failed" and "Traceback" not in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_two_node_rendezvous_matches_single_node(single_reference, tmp_path):
-    port = free_port()
-    args = [
-        *parity_args("lenet"),
-        "--save-final",
-        str(tmp_path / "f.pt"),
-    ]
-    agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=distref-test",
-                TRAIN,
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for _ in range(2)
-    ]
-    outputs = [agent.communicate(timeout=300) for agent in agents]
-    for agent, (_, err) in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, err[-3000:]
-    diff = max_relative_difference(
-        torch.load(tmp_path / "f.pt", weights_only=True), single_reference("lenet")
-    )
-    assert diff < PARITY_TOLERANCE, diff
 
 
 def test_fp64_equals_plain_single_at_three_ranks_with_adamw_and_accumulation(tmp_path):

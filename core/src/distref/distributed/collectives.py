@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distref.cost import Predicted
+from distref.record import node_name
 from distref.training.traffic import TRAFFIC
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
@@ -77,9 +78,11 @@ def finish_record(
         "states": state_bytes,
         "counted": counted,
         "predicted": predicted.as_dict(),
+        "node": node_name(),
     }
     ranks = gather_to_rank0(mine, world_size)
     if ranks:
         record.set_communication([r["counted"] for r in ranks])
+        record.data["environment"]["rank_nodes"] = [r["node"] for r in ranks]
     peaks, states = [int(r["peak"]) for r in ranks], [r["states"] for r in ranks]
     record.finish(global_batch_size, peaks, states, [r["predicted"] for r in ranks])

@@ -1,0 +1,126 @@
+"""Ranks that a scheduler starts instead of torchrun: SLURM's `srun python train.py`, where every task of
+the job step is a rank, and Kubernetes' PyTorchJob (Kubeflow's training operator), where every pod is one.
+
+Both set variables of their own, not all of torchrun's. `take_rank_from_scheduler` completes torchrun's
+contract from them, so that everything after it (the env:// rendezvous, one device per LOCAL_RANK, the
+record) is the same as under torchrun.
+
+srun, a task of a step of several tasks:
+
+    RANK = SLURM_PROCID      WORLD_SIZE = SLURM_STEP_NUM_TASKS      LOCAL_RANK = SLURM_LOCALID
+    LOCAL_WORLD_SIZE = this node's entry of SLURM_STEP_TASKS_PER_NODE ("2(x2)": 2 on each of 2 nodes)
+    MASTER_ADDR = the address of the step's first node (the one with task 0), unless already set
+    MASTER_PORT = 29500 + the job id mod 1000, unless already set (two jobs on one node differ)
+
+A PyTorchJob pod that runs `python train.py` (no torchrun in it): the operator sets MASTER_ADDR,
+MASTER_PORT, WORLD_SIZE and RANK (the pod's index: the master 0, worker i i + 1), but no LOCAL_RANK:
+each pod is one rank, so LOCAL_RANK = 0 and LOCAL_WORLD_SIZE = 1.
+
+A step of one task (`srun -n1 python train.py`), a batch script's own `python train.py`, and torchrun's
+ranks (`srun torchrun ...`, or torchrun in a pod: they have torchrun's LOCAL_RANK) are left as they are.
+Standard library only: this sits at the bottom of core, beside config.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+BASE_PORT = 29500
+
+
+def srun_task() -> bool:
+    """Whether srun started this process as one task of a step of several tasks, with no torchrun
+    between (torchrun's workers inherit SLURM's variables, and have torchrun's LOCAL_RANK)."""
+    env = os.environ
+    if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env or "LOCAL_RANK" in env:
+        return False
+    return int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))) > 1
+
+
+def tasks_on_node(tasks_per_node: str, node_index: int) -> int:
+    """This node's count in SLURM's compressed list: "2(x3),1" is 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ValueError(f"unexpected SLURM tasks-per-node list {tasks_per_node!r}")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts[node_index]
+
+
+def scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+
+
+def first_node_address(nodelist: str) -> str:
+    """Where the step's first node (task 0's) is reached: its NodeAddr in SLURM's configuration, which
+    is the node's name unless the cluster says otherwise. Without a working scontrol: the first name of
+    the list ("gpu[03-04,07]" -> "gpu03")."""
+    try:
+        first = scontrol("show", "hostnames", nodelist).split()[0]
+        address = re.search(r"NodeAddr=(\S+)", scontrol("show", "node", "-o", first))
+        return address[1] if address else first
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        match = re.match(r"([^\[,]+)(?:\[([^\],-]+))?", nodelist)
+        return match[1] + (match[2] or "") if match else nodelist
+
+
+def become_rank_of_srun_step() -> None:
+    """Under `srun` with several tasks: set torchrun's variables from SLURM's (module docstring)."""
+    if not srun_task():
+        return
+    env = os.environ
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
+    env["LOCAL_RANK"] = env["SLURM_LOCALID"]
+    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
+    env["LOCAL_WORLD_SIZE"] = str(tasks_on_node(tasks_per_node, int(env.get("SLURM_NODEID", "0"))))
+    env["GROUP_RANK"] = env.get("SLURM_NODEID", "0")
+    if "MASTER_ADDR" not in env:
+        env["MASTER_ADDR"] = first_node_address(env.get("SLURM_STEP_NODELIST", env["SLURM_JOB_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(BASE_PORT + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+
+
+def pytorchjob_pod() -> bool:
+    """Whether this process has the env:// variables a PyTorchJob pod gets (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) without torchrun's LOCAL_RANK: a pod that is one rank."""
+    env = os.environ
+    return (
+        all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+        and "LOCAL_RANK" not in env
+    )
+
+
+def become_rank_of_pod() -> None:
+    """In a PyTorchJob pod that runs train.py itself: the pod's one rank is its local rank 0."""
+    if pytorchjob_pod():
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+
+
+def take_rank_from_scheduler() -> None:
+    """Complete torchrun's variables from srun's or a PyTorchJob pod's, where this process is one of
+    their ranks (the module's docstring); elsewhere do nothing."""
+    become_rank_of_srun_step()
+    become_rank_of_pod()
+
+
+def scheduler_info() -> dict[str, str | int | None] | None:
+    """For the run record: the SLURM job this run belongs to, or None outside one."""
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return None
+    if "TORCHELASTIC_RUN_ID" in env:  # torchrun's ranks (`python train.py` starts them with its launcher)
+        launched_by = "srun torchrun" if "SLURM_STEP_ID" in env else "torchrun"
+    else:
+        launched_by = "srun" if "SLURM_STEP_ID" in env else "sbatch"
+    return {
+        "name": "slurm",
+        "job_id": env["SLURM_JOB_ID"],
+        "job_name": env.get("SLURM_JOB_NAME"),
+        "step_id": env.get("SLURM_STEP_ID"),
+        "nodelist": env.get("SLURM_JOB_NODELIST"),
+        "restart_count": int(env.get("SLURM_RESTART_COUNT", "0")),
+        "launched_by": launched_by,
+    }

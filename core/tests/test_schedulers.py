@@ -1,0 +1,147 @@
+"""distref.schedulers: a task of `srun` and a PyTorchJob pod become ranks by torchrun's variables, and
+nothing else does; `--check-ranks N` checks a job's options before its launcher starts any rank. (On a
+real SLURM cluster: core/tests/test_slurm.py, `nox -s slurm`; with a PyTorchJob's environment:
+core/tests/test_kubernetes.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from distref.schedulers import scheduler_info, take_rank_from_scheduler, tasks_on_node
+from distref.testing import load_train_module
+
+RANK_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture
+def clean_environment(monkeypatch, tmp_path):
+    """No launcher's variables, and no scontrol on PATH (the first node is then named from the list)."""
+    for key in {*os.environ, *RANK_VARIABLES}:
+        if key.startswith(("SLURM_", "PET_", "TORCHELASTIC_")) or key in RANK_VARIABLES:
+            # set, then deleted: monkeypatch then restores it as it was, absent included (what the code
+            # under test sets in os.environ must not reach the tests that run after it in this process)
+            monkeypatch.setenv(key, "")
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    return monkeypatch
+
+
+SRUN_TASK_3_OF_4 = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
+
+
+def test_tasks_per_node_list_is_expanded():
+    assert [tasks_on_node("2(x3),1", i) for i in range(4)] == [2, 2, 2, 1]
+    assert tasks_on_node("8", 0) == 8
+
+
+def test_an_srun_task_becomes_the_rank_slurm_numbers_it(clean_environment):
+    for key, value in SRUN_TASK_3_OF_4.items():
+        clean_environment.setenv(key, value)
+    take_rank_from_scheduler()
+    assert {k: os.environ[k] for k in RANK_VARIABLES} == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "gpu07",  # the step's first node: task 0's
+        "MASTER_PORT": str(29500 + 234),
+    }
+    assert scheduler_info()["launched_by"] == "srun"
+
+
+def test_what_the_user_set_is_kept(clean_environment):
+    for key, value in {**SRUN_TASK_3_OF_4, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "6000"}.items():
+        clean_environment.setenv(key, value)
+    take_rank_from_scheduler()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.7", "6000")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"SLURM_STEP_NUM_TASKS": "1"},  # srun -n1 python train.py: it starts its own ranks
+        {"SLURM_STEP_ID": None},  # the batch script's own python
+        {"LOCAL_RANK": "0", "RANK": "5"},  # srun torchrun ...: torchrun's rank
+    ],
+)
+def test_a_process_that_is_no_srun_task_is_left_alone(case, clean_environment):
+    for key, value in {**SRUN_TASK_3_OF_4, **case}.items():
+        if value is None:
+            clean_environment.delenv(key, raising=False)
+        else:
+            clean_environment.setenv(key, value)
+    before = dict(os.environ)
+    take_rank_from_scheduler()
+    assert dict(os.environ) == before
+
+
+def test_a_pytorchjob_pod_is_one_rank_on_its_first_device(clean_environment):
+    for key, value in {
+        "MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "23456",
+        "WORLD_SIZE": "4",
+        "RANK": "2",
+    }.items():
+        clean_environment.setenv(key, value)
+    take_rank_from_scheduler()
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], os.environ["RANK"]) == ("0", "1", "2")
+    assert scheduler_info() is None
+
+
+def test_bad_options_are_said_once_by_rank_0_of_an_srun_step(clean_environment, capsys):
+    """Every task refuses the same options: rank 0 says why in one line, the others exit 2 silently."""
+    ddp = load_train_module("ddp")
+    bad = ["--model", "lenet", "--dataset", "synthetic", "--global-batch-size", "2"]
+    said = []
+    for rank in ("0", "1"):
+        for key, value in {**SRUN_TASK_3_OF_4, "SLURM_PROCID": rank}.items():
+            clean_environment.setenv(key, value)
+        for key in RANK_VARIABLES:  # rank 0's run set them
+            clean_environment.delenv(key, raising=False)
+        with pytest.raises(SystemExit) as exit_:
+            ddp.main(bad)
+        assert exit_.value.code == 2
+        said.append(capsys.readouterr().err)
+    assert (
+        said[0]
+        .strip()
+        .endswith("error: --global-batch-size 2 must be divisible by world size × --grad-accum = 4 × 1 = 4")
+    )
+    assert len(said[0].strip().splitlines()) == 1 and said[1] == ""
+
+
+def test_check_ranks_checks_a_jobs_options_without_starting_any(clean_environment, capsys):
+    ddp = load_train_module("ddp")
+    args = ["--model", "lenet", "--dataset", "synthetic", "--global-batch-size", "8"]
+    with pytest.raises(SystemExit) as fits:
+        ddp.main([*args, "--check-ranks", "4"])
+    assert fits.value.code == 0 and capsys.readouterr().out.strip() == "ddp: the options fit a run of 4 ranks"
+    with pytest.raises(SystemExit) as refused:
+        ddp.main([*args, "--check-ranks", "16"])
+    assert refused.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("error: --global-batch-size 8 must be divisible by world size × --grad-accum = 16 × 1 = 16")
+    )
