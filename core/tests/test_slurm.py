@@ -39,19 +39,19 @@ PARITY = {
     "pipeline": ("gpt", ["--schedule", "1f1b", "--microbatches", "4"], 1, PARITY_TOLERANCE),
     "tensor_parallel": ("gpt", [], 1, PARITY_TOLERANCE),
 }
-# Through which scripts: srun.sbatch for all, torchrun.sbatch for two of them in CI (the script is the
-# same for every impl, and each torchrun job costs ~15 CPU-seconds more than srun's of a .ci/run that must
-# stay under 12 minutes); DISTREF_SLURM_ALL=1 runs every impl through both (docs/clusters.md: all ten).
+# Through which scripts: srun.sbatch for all, torchrun.sbatch for ddp in CI (the script is the same for
+# every impl, and each job costs ~15 CPU-seconds of a .ci/run that must stay under 12 minutes);
+# DISTREF_SLURM_ALL=1 runs every impl through both (docs/clusters.md: all ten).
 JOBS = [
     (impl, style)
     for impl in PARITY
     for style in SCRIPTS
-    if style == "srun" or impl in ("ddp", "fsdp") or os.environ.get("DISTREF_SLURM_ALL") == "1"
+    if style == "srun" or impl == "ddp" or os.environ.get("DISTREF_SLURM_ALL") == "1"
 ]
 # The fault runs: ddp on the synthetic set, long enough to be stopped between checkpoints.
 FAULT_RUN = [
     *("--model", "lenet", "--dataset", "synthetic", "--optimizer", "adamw", "--lr", "1e-3"),
-    *("--steps", "300", "--global-batch-size", "32"),
+    *("--steps", "200", "--global-batch-size", "32"),
 ]
 
 
@@ -78,8 +78,8 @@ def submit(cluster: LocalSlurm, style: str, impl: str, args: list[str], out: Pat
 
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
-    """Every impl's jobs (JOBS), and an uninterrupted fault run, submitted at once (SLURM runs them side
-    by side): {(impl, style): (job id, folder)}."""
+    """Every impl's jobs (JOBS), submitted at once (SLURM runs them side by side, and beside the fault
+    tests): {(impl, style): (job id, folder)}."""
     from distref.data.mnist import prepare_mnist
 
     prepare_mnist(DATA_ROOT)  # (lenet's parity runs read real MNIST: the nodes share this disk)
@@ -90,10 +90,16 @@ def jobs(cluster, tmp_path_factory):
         run = folder / f"{impl}-{style}"
         args = [*parity_args(model), *options, "--out", str(run), "--save-final", str(run / "final.pt")]
         submitted[impl, style] = (submit(cluster, style, impl, args, run.with_suffix(".out")), run)
-    run = folder / "uninterrupted"
-    args = [*FAULT_RUN, "--out", str(run), "--save-final", str(run / "final.pt")]
-    submitted["ddp", "uninterrupted"] = (submit(cluster, "srun", "ddp", args, run.with_suffix(".out")), run)
     return submitted
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(single_train, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The fault runs' parameters had nothing stopped them: single --grad-accum 2, which 2 ranks of ddp
+    equal bit for bit (the same two half-batch sums), run in this process while the jobs run."""
+    path = tmp_path_factory.mktemp("uninterrupted") / "final.pt"
+    single_train.main([*FAULT_RUN, "--grad-accum", "2", "--save-final", str(path)])
+    return torch.load(path, weights_only=True)
 
 
 def finished(cluster: LocalSlurm, job: tuple[str, Path]) -> Path:
@@ -131,7 +137,7 @@ def wait_for_checkpoint(folder: Path, job_id: str, cluster: LocalSlurm) -> None:
 
 
 @pytest.mark.faults
-def test_killed_task_fails_the_job_and_requeue_resumes_it_exactly(cluster, jobs, tmp_path):
+def test_killed_task_fails_the_job_and_requeue_resumes_it_exactly(cluster, jobs, uninterrupted, tmp_path):
     """A task killed mid-run ends the job FAILED, its rank named; `scontrol requeue` reruns the same job,
     which resumes from the last checkpoint (--resume auto) and ends bit-identical to an uninterrupted run."""
     import json
@@ -146,6 +152,7 @@ def test_killed_task_fails_the_job_and_requeue_resumes_it_exactly(cluster, jobs,
     assert "task 1: Killed" in out.read_text()  # srun names the rank: each task is one
 
     cluster.run(["scontrol", "requeue", job_id])
+    cluster.wait_for_restart(job_id, restarts=1)  # (until then it still reads FAILED)
     # SLURM holds a requeued job back for 2 minutes (its BeginTime), for a real node's epilog to finish:
     # the test lets it start at once.
     cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
@@ -153,13 +160,12 @@ def test_killed_task_fails_the_job_and_requeue_resumes_it_exactly(cluster, jobs,
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["environment"]["scheduler"]["restart_count"] == 1
     assert record["resumes"], "the requeued job started over instead of resuming"
-    uninterrupted = finished(cluster, jobs["ddp", "uninterrupted"]) / "final.pt"
     resumed = torch.load(tmp_path / "final.pt", weights_only=True)
-    assert max_relative_difference(resumed, torch.load(uninterrupted, weights_only=True)) == 0.0
+    assert max_relative_difference(resumed, uninterrupted) == 0.0
 
 
 @pytest.mark.faults
-def test_scancel_leaves_the_last_checkpoint_to_resume_from(cluster, jobs, tmp_path):
+def test_scancel_leaves_the_last_checkpoint_to_resume_from(cluster, jobs, uninterrupted, tmp_path):
     """scancel stops the job (CANCELLED) and leaves its last checkpoint intact: a resubmission with
     --resume auto continues from it and ends bit-identical to an uninterrupted run."""
     ckpt = tmp_path / "ckpt"
@@ -174,9 +180,8 @@ def test_scancel_leaves_the_last_checkpoint_to_resume_from(cluster, jobs, tmp_pa
     again = submit(cluster, "srun", "ddp", args, tmp_path / "again.out")
     assert cluster.wait(again, timeout_s=240) == "COMPLETED", (tmp_path / "again.out").read_text()[-3000:]
     assert "resum" in (tmp_path / "again.out").read_text().lower()
-    uninterrupted = finished(cluster, jobs["ddp", "uninterrupted"]) / "final.pt"
     resumed = torch.load(tmp_path / "final.pt", weights_only=True)
-    assert max_relative_difference(resumed, torch.load(uninterrupted, weights_only=True)) == 0.0
+    assert max_relative_difference(resumed, uninterrupted) == 0.0
 
 
 @pytest.mark.faults

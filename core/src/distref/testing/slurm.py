@@ -29,7 +29,7 @@ from pathlib import Path
 
 COMMANDS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge"}
 NODES = ("n1", "n2")
-CPUS_PER_NODE = 4  # what each node offers: 2 ranks of a job and a second job beside it (2 real cores)
+CPUS_PER_NODE = 16  # what each node offers: every job of `nox -s slurm` at once (the 2 real cores are shared)
 FINISHED = (
     "COMPLETED",
     "FAILED",
@@ -272,6 +272,14 @@ class LocalSlurm:
         """`scontrol show job` as a dict (JobState, ExitCode, NodeList, Restarts, ...)."""
         out = self.run(["scontrol", "show", "job", "-o", job_id]).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait_for_restart(self, job_id: str, restarts: int, timeout_s: float = 30.0) -> None:
+        """After `scontrol requeue`: until SLURM has counted the job's `restarts`-th start."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.job(job_id).get("Restarts", "0")) < restarts:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} was not requeued within {timeout_s:g} s")
+            time.sleep(0.1)
 
     def state(self, job_id: str) -> str:
         return self.job(job_id).get("JobState", "UNKNOWN")
