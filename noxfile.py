@@ -45,11 +45,9 @@ nox.options.reuse_venv = "yes"
 
 def install_core(session: nox.Session, *extra: str) -> None:
     """torch + torchvision pinned, the core package editable, and torchvision made loadable."""
-    # --no-compile: pip byte-compiles every installed module (torch's thousands) for 20 of an install's
-    # 40 s here; Python compiles what is imported, once, on first import instead.
-    session.install(
-        "--no-compile", "-c", CONSTRAINTS, "torch", "torchvision", "-e", f"{ROOT / 'core'}", *extra
-    )
+    # (Not --no-compile: it saves 20 s of the install and costs the suite a minute, its processes
+    # compiling torch's modules as they import them.)
+    session.install("-c", CONSTRAINTS, "torch", "torchvision", "-e", f"{ROOT / 'core'}", *extra)
     # PyPI's torchvision is a CUDA build; on CPU torch it needs the shim (a no-op where it loads).
     session.run("python", str(ROOT / "ci" / "torchvision_cpu_shim.py"))
 

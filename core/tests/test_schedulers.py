@@ -145,3 +145,36 @@ def test_check_ranks_checks_a_jobs_options_without_starting_any(clean_environmen
         .err.strip()
         .endswith("error: --global-batch-size 8 must be divisible by world size × --grad-accum = 16 × 1 = 16")
     )
+
+
+def test_the_first_node_is_reached_at_its_address_in_slurms_configuration(clean_environment, tmp_path):
+    """With scontrol (as on every SLURM node): the step's first node by `scontrol show hostnames`, its
+    address by `scontrol show node` (NodeAddr: a node's name need not resolve)."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(
+        "#!/bin/sh\n"
+        'if [ "$2" = hostnames ]; then printf "gpu07\\ngpu08\\n"; '
+        'else echo "NodeName=$4 Arch=x86_64 NodeAddr=10.1.0.${4#gpu0} NodeHostName=$4"; fi\n'
+    )
+    scontrol.chmod(0o755)
+    for key, value in SRUN_TASK_3_OF_4.items():
+        clean_environment.setenv(key, value)
+    take_rank_from_scheduler()
+    assert os.environ["MASTER_ADDR"] == "10.1.0.7"
+
+
+def test_a_one_process_impl_refuses_to_run_as_several_srun_tasks(clean_environment, capsys):
+    """single under `srun` with 4 tasks would be 4 runs writing the same files: one line, exit 2."""
+    for key, value in SRUN_TASK_3_OF_4.items():
+        clean_environment.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_:
+        load_train_module("single").main(["--dataset", "synthetic", "--steps", "1"])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "error: single runs in one process, and srun started 4 tasks: submit it with --ntasks 1 "
+            "(srun.sbatch starts a process per task)"
+        )
+    )

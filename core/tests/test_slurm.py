@@ -63,17 +63,25 @@ def cluster(tmp_path_factory):
         yield local
 
 
-def submit(cluster: LocalSlurm, style: str, impl: str, args: list[str], out: Path, *options: str) -> str:
-    """sbatch one of the scripts for impls/<impl>/train.py over both nodes, one rank on each; its job id."""
+def submit(
+    cluster: LocalSlurm, style: str, impl: str, args: list[str], out: Path, *options: str, per_node: int = 1
+) -> str:
+    """sbatch one of the scripts for impls/<impl>/train.py over both nodes, `per_node` ranks on each; its
+    job id."""
     return cluster.submit(
         [str(SCRIPTS[style]), str(ROOT / "impls" / impl / "train.py"), *args],
         "--nodes=2",
-        "--ntasks-per-node=1",
+        f"--ntasks-per-node={per_node if style == 'srun' else 1}",
         f"--output={out}",
         *options,
-        env={"NPROC_PER_NODE": "1"},  # torchrun.sbatch: one rank per node
+        env={"NPROC_PER_NODE": str(per_node)},  # torchrun.sbatch: ranks per node
         cwd=ROOT,
     )
+
+
+# Ranks per node: 1, and 2 for ddp through srun.sbatch (LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's
+# "2(x2)" tasks per node).
+PER_NODE = {("ddp", "srun"): 2}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,11 @@ def jobs(cluster, tmp_path_factory):
         model, options, _, _ = PARITY[impl]
         run = folder / f"{impl}-{style}"
         args = [*parity_args(model), *options, "--out", str(run), "--save-final", str(run / "final.pt")]
-        submitted[impl, style] = (submit(cluster, style, impl, args, run.with_suffix(".out")), run)
+        per_node = PER_NODE.get((impl, style), 1)
+        submitted[impl, style] = (
+            submit(cluster, style, impl, args, run.with_suffix(".out"), per_node=per_node),
+            run,
+        )
     return submitted
 
 
@@ -153,9 +165,10 @@ def test_killed_task_fails_the_job_and_requeue_resumes_it_exactly(cluster, jobs,
 
     cluster.run(["scontrol", "requeue", job_id])
     cluster.wait_for_restart(job_id, restarts=1)  # (until then it still reads FAILED)
-    # SLURM holds a requeued job back for 2 minutes (its BeginTime), for a real node's epilog to finish:
-    # the test lets it start at once.
-    cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    # SLURM holds a requeued job back for 2 minutes (its BeginTime), for a real node's epilog to finish.
+    # The test lets it start 2 s later: not at once, because slurmd refuses a job started within the
+    # second its last run's credential was revoked ("Job credential revoked": the job then fails).
+    cluster.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"])
     assert cluster.wait(job_id, timeout_s=240) == "COMPLETED", out.read_text()[-3000:]
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["environment"]["scheduler"]["restart_count"] == 1
@@ -221,6 +234,9 @@ def test_each_impl_across_two_nodes_equals_single(
     import json
 
     model, _, grad_accum, tolerance = PARITY[impl]
+    per_node = PER_NODE.get((impl, style), 1)
+    if per_node > 1:  # AdamW: single --grad-accum world sums the same micro-batches, in another order
+        grad_accum, tolerance = grad_accum * per_node, PARITY_TOLERANCE
     run = finished(cluster, jobs[impl, style])
     final = torch.load(run / "final.pt", weights_only=True)
     diff = max_relative_difference(final, single_reference(model, grad_accum))
@@ -235,4 +251,7 @@ def test_each_impl_across_two_nodes_equals_single(
     scheduler = record["environment"]["scheduler"]
     assert scheduler["job_id"] == job_id and scheduler["nodelist"] == "n[1-2]"
     assert scheduler["launched_by"] == {"srun": "srun", "torchrun": "srun torchrun"}[style]
-    assert record["world_size"] == 2 and sorted(record["environment"]["rank_nodes"]) == ["n1", "n2"]
+    assert record["world_size"] == 2 * per_node
+    assert sorted(record["environment"]["rank_nodes"]) == ["n1"] * per_node + ["n2"] * per_node
+    if style == "srun":  # rank 0's node, n1, at its own address (n2 is at 127.0.0.2)
+        assert scheduler["master_addr"] == "127.0.0.1" and record["environment"]["rank_nodes"][0] == "n1"

@@ -38,7 +38,7 @@ from distref.config import (
 )
 from distref.data.datasets import train_set_size
 from distref.data.tensors import DataError
-from distref.schedulers import take_rank_from_scheduler
+from distref.schedulers import srun_task, take_rank_from_scheduler
 from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
 
 
@@ -242,6 +242,12 @@ def parse_config(
     PARSE_TIMES.append(time.perf_counter())  # a run begins (the record's start-up counts from here on)
     if distributed:  # srun's tasks, a PyTorchJob's pods: ranks, by torchrun's variables (distref.schedulers)
         take_rank_from_scheduler()
+    elif srun_task():  # N copies of a one-process run, all writing the same files
+        fail(
+            f"{impl} runs in one process, and srun started {os.environ.get('SLURM_STEP_NUM_TASKS')} tasks: "
+            "submit it with --ntasks 1 (srun.sbatch starts a process per task)",
+            "train.py",
+        )
     parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
@@ -287,8 +293,17 @@ def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
         return None
     import torch
 
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
-    if local_ranks > (gpus := torch.cuda.device_count()):
+    env = os.environ
+    # LOCAL_WORLD_SIZE: torchrun's; LOCAL_SIZE: DeepSpeed's launcher's
+    local_ranks = (
+        int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", world_size)))
+        if under_torchrun()
+        else world_size
+    )
+    gpus = torch.cuda.device_count()
+    if gpus == 1 and under_torchrun() and "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
+        return None  # srun bound each task to a GPU of its own (--gpus-per-task, --gpu-bind): cuda:0
+    if local_ranks > gpus:
         return (
             f"{local_ranks} ranks on this machine need a CUDA device each, and {gpus} are visible: "
             f"start at most {gpus} (--nproc-per-node), or run on CPU (--device cpu)"

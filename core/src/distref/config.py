@@ -116,9 +116,10 @@ def defining_value(options: dict[str, Any], key: str) -> Any:
 
 
 def is_first_rank() -> bool:
-    """Rank 0 under torchrun, or a process that is no rank: the one that speaks for the job when every
-    rank meets the same problem (bad arguments, a diverged loss, an unreadable checkpoint)."""
-    return os.environ.get("RANK", "0") == "0"
+    """Rank 0 under torchrun (task 0 under srun), or a process that is no rank: the one that speaks for
+    the job when every rank meets the same problem (bad arguments, a diverged loss, an unreadable
+    checkpoint)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

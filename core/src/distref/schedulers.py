@@ -10,7 +10,8 @@ srun, a task of a step of several tasks:
     RANK = SLURM_PROCID      WORLD_SIZE = SLURM_STEP_NUM_TASKS      LOCAL_RANK = SLURM_LOCALID
     LOCAL_WORLD_SIZE = this node's entry of SLURM_STEP_TASKS_PER_NODE ("2(x2)": 2 on each of 2 nodes)
     MASTER_ADDR = the address of the step's first node (the one with task 0), unless already set
-    MASTER_PORT = 29500 + the job id mod 1000, unless already set (two jobs on one node differ)
+    MASTER_PORT = 29500 + the job id mod 1000, unless already set (launch/slurm/srun.sbatch sets a free
+                  port of the first node, which two jobs on one node cannot share)
 
 A PyTorchJob pod that runs `python train.py` (no torchrun in it): the operator sets MASTER_ADDR,
 MASTER_PORT, WORLD_SIZE and RANK (the pod's index: the master 0, worker i i + 1), but no LOCAL_RANK:
@@ -51,7 +52,8 @@ def tasks_on_node(tasks_per_node: str, node_index: int) -> int:
 
 
 def scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+    # (every rank asks: a slurmctld that does not answer must not hold them all)
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def first_node_address(nodelist: str) -> str:
@@ -62,7 +64,7 @@ def first_node_address(nodelist: str) -> str:
         first = scontrol("show", "hostnames", nodelist).split()[0]
         address = re.search(r"NodeAddr=(\S+)", scontrol("show", "node", "-o", first))
         return address[1] if address else first
-    except (OSError, subprocess.CalledProcessError, IndexError):
+    except (OSError, subprocess.SubprocessError, IndexError):
         match = re.match(r"([^\[,]+)(?:\[([^\],-]+))?", nodelist)
         return match[1] + (match[2] or "") if match else nodelist
 
@@ -123,4 +125,5 @@ def scheduler_info() -> dict[str, str | int | None] | None:
         "nodelist": env.get("SLURM_JOB_NODELIST"),
         "restart_count": int(env.get("SLURM_RESTART_COUNT", "0")),
         "launched_by": launched_by,
+        "master_addr": env.get("MASTER_ADDR"),  # where rank 0 (its store) was reached
     }

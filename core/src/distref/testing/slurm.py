@@ -174,9 +174,11 @@ class LocalSlurm:
             f"SlurmctldLogFile={f / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={f / 'log' / 'slurmd.%n.log'}",
         ]
-        for node in self.nodes:
+        for index, node in enumerate(self.nodes):
+            # Each node at an address of its own on the loopback network (127.0.0.1, 127.0.0.2, ...), so
+            # that a job reaching its first node by the wrong one's address is seen.
             lines.append(
-                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.{index + 1} Port={free_port()} "
                 f"CPUs={self.cpus_per_node} State=UNKNOWN"
             )
         lines.append(
@@ -206,8 +208,14 @@ class LocalSlurm:
         return all(states.get(node) == "idle" for node in self.nodes)
 
     def stop(self) -> None:
-        """SIGTERM every daemon (the slurmds first, munged last), SIGKILL what is left after 10 s; and any
-        job's processes with them (the slurmstepd of each job step)."""
+        """Cancel every job, SIGTERM every daemon (the slurmds first, munged last), SIGKILL what is left
+        after 10 s; then SIGKILL every process of this cluster still alive (a job step's slurmstepd and
+        what it started outlive their slurmd: all have this cluster's SLURM_CONF in their environment)."""
+        if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(
+                    ["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=10
+                )
         for name in [n for n in self.daemons if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             process = self.daemons.get(name)
             if process is not None and process.poll() is None:
@@ -219,30 +227,24 @@ class LocalSlurm:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for pid in self.step_daemons():  # a job step's slurmstepd outlives its slurmd
+        for pid in self.processes():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         self.daemons.clear()
         if self.socket_folder is not None:
             shutil.rmtree(self.socket_folder, ignore_errors=True)
 
-    def step_daemons(self) -> list[int]:
-        """PIDs of the slurmstepd processes that belong to this cluster (their environment names our
-        SLURM_CONF)."""
-        conf = self.env.get("SLURM_CONF", "").encode()
+    def processes(self) -> list[int]:
+        """PIDs of the processes that belong to this cluster: their environment names its SLURM_CONF
+        (every job inherits it from sbatch; slurmstepd from slurmd)."""
+        mark = f"SLURM_CONF={self.env.get('SLURM_CONF', '')}".encode()
         found = []
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
-            try:
-                if (
-                    b"slurmstepd" in (entry / "cmdline").read_bytes()
-                    and conf
-                    and conf in (entry / "environ").read_bytes()
-                ):
+            with contextlib.suppress(OSError):
+                if "SLURM_CONF" in self.env and mark in (entry / "environ").read_bytes().split(b"\0"):
                     found.append(int(entry.name))
-            except OSError:
-                continue
         return found
 
     # -- jobs -------------------------------------------------------------------------------------
@@ -296,8 +298,13 @@ class LocalSlurm:
 
 
 def main() -> None:
-    """Start a cluster and keep it up until Ctrl-C."""
-    if reason := unavailable_reason():
+    """Start a cluster and keep it up until Ctrl-C; with --install, install what it needs and exit (what
+    .ci/run does while the tests run: this file needs only the standard library)."""
+    reason = unavailable_reason()
+    if "--install" in sys.argv[1:]:
+        print(f"local SLURM: {reason or 'slurmctld, slurmd, slurm-client and munge are installed'}")
+        return
+    if reason:
         sys.exit(f"distref.testing.slurm: {reason}")
     folder = Path(tempfile.mkdtemp(prefix="distref-slurm-"))
     with LocalSlurm(folder) as cluster:

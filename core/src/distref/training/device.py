@@ -26,10 +26,13 @@ def configure_cpu_threads() -> int:
 
 
 def pick_device(requested: str, local_rank: int = 0) -> torch.device:
-    """One device per process: cuda:<local_rank> when CUDA is wanted and present, else the CPU."""
+    """One device per process: cuda:<local_rank> when CUDA is wanted and present, else the CPU. Where a
+    rank sees one GPU only, that one is its own (srun's --gpus-per-task or --gpu-bind, a pod of one GPU:
+    CUDA_VISIBLE_DEVICES names it), whatever its local rank."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
