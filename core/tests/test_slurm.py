@@ -200,24 +200,17 @@ def test_scancel_leaves_the_last_checkpoint_to_resume_from(cluster, jobs, uninte
 @pytest.mark.faults
 @pytest.mark.parametrize("style", list(SCRIPTS))
 def test_more_tasks_than_the_batch_allows_fails_the_job_with_one_line(style, cluster, tmp_path):
-    """Four ranks for a global batch of 2: the job FAILS, and its output says why in one line, with no
-    traceback (srun: rank 0's line, the other ranks refuse the same arguments silently; torchrun: the
+    """Two ranks for a global batch of 1: the job FAILS, and its output says why in one line, with no
+    traceback (srun: rank 0's line, the other rank refuses the same arguments silently; torchrun: the
     script checks the options before starting any torchrun)."""
     out = tmp_path / "job.out"
-    args = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--global-batch-size", "2"]
-    job_id = cluster.submit(
-        [str(SCRIPTS[style]), str(ROOT / "impls" / "ddp" / "train.py"), *args],
-        "--nodes=2",
-        "--ntasks-per-node=2" if style == "srun" else "--ntasks-per-node=1",
-        f"--output={out}",
-        env={"NPROC_PER_NODE": "2"},
-        cwd=ROOT,
-    )
+    args = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--global-batch-size", "1"]
+    job_id = submit(cluster, style, "ddp", args, out)
     assert cluster.wait(job_id) == "FAILED"
     output = out.read_text()
     errors = [line for line in output.splitlines() if "error: --global" in line]
     assert errors == [
-        "ddp/train.py: error: --global-batch-size 2 must be divisible by world size × --grad-accum = 4 × 1 = 4"
+        "ddp/train.py: error: --global-batch-size 1 must be divisible by world size × --grad-accum = 2 × 1 = 2"
     ], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     if style == "torchrun":  # checked in the batch script (--check-ranks): no torchrun started
