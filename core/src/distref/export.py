@@ -264,6 +264,7 @@ def copy_launch_files(impl: str, dest: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         text = source.read_text().replace(f"impls/{impl}/train.py", "train.py")
         text = re.sub(r"impls/\w+/train\.py", "train.py", text)  # the scripts' examples: this impl's
+        text = text.replace("distref.schedulers", f"distref_{impl}.schedulers")  # the vendored package
         target.write_text(text.replace("docs/clusters.md", "distref's docs/clusters.md"))
         target.chmod(source.stat().st_mode)
 
