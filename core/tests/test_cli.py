@@ -219,3 +219,22 @@ def test_bad_input_is_one_line_before_any_process_group_in_every_impl(
     assert err.count("\n") == 1 and err.startswith(f"{impl}/train.py: error: "), err
     assert message.format(**paths) in err
     assert existing.read_text() == "kept"
+
+
+@pytest.mark.parametrize("where", ["proc", "dangling-link"])
+def test_a_data_root_that_cannot_be_created_is_one_line(where, tmp_path, capsys):
+    """--data-root under /proc (writable to root by access(), yet no folder can be made there) or under a
+    symbolic link to nothing: one line, exit 2, before anything runs (it was a FileNotFoundError or
+    FileExistsError traceback from mkdir)."""
+    from distref.testing import load_train_module
+
+    if where == "proc":
+        root, expected = "/proc/distref-data", "does not exist and cannot be created in /proc"
+    else:
+        (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+        root, expected = str(tmp_path / "link" / "data"), f"{tmp_path / 'link'} is a symbolic link to nothing"
+    with pytest.raises(SystemExit) as exit_:
+        load_train_module("single").main(["--data-root", root, "--steps", "1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and expected in error, error

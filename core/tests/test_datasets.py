@@ -1,6 +1,7 @@
 """torchvision on this torch build, and the loaders that need no download."""
 
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -100,3 +101,18 @@ def test_text_dataset_is_next_character_prediction(tmp_path):
 def test_fashion_mnist_from_debian_is_verified(tmp_path):
     raw = prepare_fashion_mnist(tmp_path)
     assert sorted(p.name for p in raw.iterdir()) == sorted(FASHION_MNIST_MD5)
+
+
+def test_a_missing_cifar10_is_one_line_before_any_rank_starts(tmp_path):
+    """`python train.py` of a multi-process impl checks the dataset before starting its ranks: one line,
+    exit 2 (it was the same error from every rank, and torchrun's report of the failed rank). The download
+    is made to fail here (a proxy nobody listens on), network or not."""
+    from distref.testing import ROOT, run_script
+
+    args = ["--model", "resnet18", "--dataset", "cifar10", "--data-root", str(tmp_path), "--steps", "1"]
+    no_network = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+    result = run_script([sys.executable, str(ROOT / "impls" / "ddp" / "train.py"), *args], env=no_network)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddp: error: CIFAR-10 is not under {tmp_path}"), lines
+    assert "starting" not in result.stdout

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -212,8 +213,15 @@ def folder_problem(option: str, folder: Path, writes: bool = True) -> str | None
     parent = next(p for p in folder.absolute().parents if p.exists())  # the nearest existing ancestor
     if not parent.is_dir():
         return f"{option} {folder}: {parent} is not a directory"
+    dangling = next((p for p in folder.absolute().parents if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        return f"{option} {folder}: {dangling} is a symbolic link to nothing ({os.readlink(dangling)})"
     if not os.access(parent, os.W_OK):
         return f"{option} {folder}: does not exist and cannot be created ({parent} is not writable)"
+    try:  # what access() cannot tell (root in /proc or /sys, a read-only mount): make a folder there
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError as exc:
+        return f"{option} {folder}: does not exist and cannot be created in {parent} ({exc.strerror})"
     return None
 
 

@@ -13,6 +13,21 @@ from distref.data.mnist import idx_dataset, prepare_fashion_mnist, prepare_mnist
 from distref.data.tensors import IGNORE_INDEX, DataError, DatasetInfo, TensorData
 
 
+def prepare_cifar10(root: Path) -> None:
+    """Download (where there is a network) and verify CIFAR-10 under `root`, loading only its small test
+    batch: launch_ranks runs it before any rank exists, so that a missing dataset is one line, not one per
+    rank (and ranks never race to download it)."""
+    from torchvision.datasets import CIFAR10
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            CIFAR10(str(root), train=False, download=True)  # (verifies every batch's md5 first)
+    except Exception as exc:
+        raise DataError(
+            f"CIFAR-10 is not under {root}/cifar-10-batches-py and cannot be downloaded ({exc})"
+        ) from exc
+
+
 def load_cifar10(root: Path, download: bool = True):
     """Real CIFAR-10 through torchvision (downloads where there is a network)."""
     from torchvision.datasets import CIFAR10
@@ -146,13 +161,15 @@ def load_text(path: Path, block_size: int = 64):
 
 
 def prepare_dataset_files(cfg) -> None:
-    """Build and verify MNIST / Fashion-MNIST under --data-root (a no-op when they are there), without
-    loading them: launch_ranks calls it before any rank exists, so that a missing dataset is one line
+    """Build and verify MNIST / Fashion-MNIST, download and verify CIFAR-10, under --data-root (a no-op
+    when they are there), without loading them (CIFAR-10: its test batch): launch_ranks calls it before any rank exists, so that a missing dataset is one line
     (and ranks never race to build the same files)."""
     if cfg.dataset == "mnist":
         prepare_mnist(Path(cfg.data_root))
     elif cfg.dataset == "fashion-mnist":
         prepare_fashion_mnist(Path(cfg.data_root))
+    elif cfg.dataset == "cifar10":
+        prepare_cifar10(Path(cfg.data_root))
 
 
 def load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
