@@ -24,6 +24,7 @@ from distref.config import (
     Launch,
     OneLineErrorParser,
     RunConfig,
+    exit_after_rank_0_spoke,
     fail,
     file_problem,
     folder_problem,
@@ -393,4 +394,4 @@ def exit_on_bad_input(impl: str, say: bool = True) -> Iterator[None]:
     try:
         yield
     except (DataError, CheckpointError) as exc:
-        fail(str(exc), impl) if say else sys.exit(2)
+        fail(str(exc), impl) if say else exit_after_rank_0_spoke(2)

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -123,12 +124,27 @@ def is_first_rank() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
+SPEAKER_GRACE_S = 5.0
+
+
+def exit_after_rank_0_spoke(code: int = 2) -> NoReturn:
+    """Exit as a rank that leaves the saying to rank 0 (every rank met the same problem), after a pause.
+    The launcher (torchrun, srun --kill-on-bad-exit, the tests' run_ranks) stops every rank once one has
+    exited: had this rank gone first, rank 0 could be stopped before it wrote its line, and the job would
+    end saying nothing (seen under load). Rank 0 exits at once after its line; the launcher then stops
+    this one mid-pause, so the pause costs nothing."""
+    time.sleep(SPEAKER_GRACE_S)
+    sys.exit(code)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints the whole usage block before an error; we print one line, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
         # Under torchrun every rank parses the same arguments: rank 0 alone says what is wrong.
-        self.exit(2, f"{self.prog}: error: {message}\n" if is_first_rank() else None)
+        if not is_first_rank():
+            exit_after_rank_0_spoke(2)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def positive_int(text: str) -> int:
