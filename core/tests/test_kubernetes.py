@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,14 +16,9 @@ import torch
 import yaml
 
 from distref.testing import PARITY_TOLERANCE, ROOT, max_relative_difference, parity_args
+from distref.testing.slurm import free_port
 
 MANIFESTS = ROOT / "launch" / "kubernetes"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def operator_environment(job: dict, replica_type: str, index: int) -> dict[str, str]:

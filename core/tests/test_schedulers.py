@@ -179,3 +179,34 @@ def test_a_one_process_impl_refuses_to_run_as_several_srun_tasks(clean_environme
             "(srun.sbatch starts a process per task)"
         )
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"SLURM_STEP_TASKS_PER_NODE": "abc"}, "unexpected SLURM tasks-per-node list 'abc'"),
+        ({"SLURM_NODEID": "5"}, "SLURM_NODEID=5 is not a node of the tasks-per-node list '2(x2)'"),
+        ({"SLURM_LOCALID": None}, "SLURM_LOCALID=None from the launcher: not a non-negative integer"),
+        ({"SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS or SLURM_NTASKS='abc' from the launcher"),
+        ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, "srun set neither SLURM_STEP_NODELIST"),
+    ],
+)
+def test_a_bad_srun_variable_is_one_line(change, expected, clean_environment, capsys):
+    """What srun should have set, missing or malformed: one line, exit 2, before any process group."""
+    for key, value in {**SRUN_TASK_3_OF_4, **change}.items():
+        if value is not None:
+            clean_environment.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_:
+        load_train_module("ddp").main(["--model", "lenet", "--dataset", "synthetic", "--steps", "1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and expected in error, error
+    assert "RANK" not in os.environ  # nothing half-set
+
+
+def test_check_ranks_refuses_what_it_cannot_check(clean_environment, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_train_module("ddp").main(
+            ["--dataset", "synthetic", "--check-ranks", "2", "--nproc-per-node", "4"]
+        )
+    assert exit_.value.code == 2 and "drop --nproc-per-node/--max-restarts" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from distref.config import (
 )
 from distref.data.datasets import train_set_size
 from distref.data.tensors import DataError
-from distref.schedulers import srun_task, take_rank_from_scheduler
+from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
 from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
 
 
@@ -241,14 +241,19 @@ def parse_config(
     that would start ranks are then refused, not ignored. `strategy_options` is the impl's frozen dataclass
     of its own options (those `add_options` adds, by the same names): `cfg.strategy`."""
     PARSE_TIMES.append(time.perf_counter())  # a run begins (the record's start-up counts from here on)
-    if distributed:  # srun's tasks, a PyTorchJob's pods: ranks, by torchrun's variables (distref.schedulers)
-        take_rank_from_scheduler()
-    elif srun_task():  # N copies of a one-process run, all writing the same files
-        fail(
-            f"{impl} runs in one process, and srun started {os.environ.get('SLURM_STEP_NUM_TASKS')} tasks: "
-            "submit it with --ntasks 1 (srun.sbatch starts a process per task)",
-            "train.py",
-        )
+    try:
+        if (
+            distributed
+        ):  # srun's tasks, a PyTorchJob's pods: ranks, by torchrun's variables (distref.schedulers)
+            take_rank_from_scheduler()
+        elif srun_task():  # N copies of a one-process run, all writing the same files
+            fail(
+                f"{impl} runs in one process, and srun started {os.environ.get('SLURM_STEP_NUM_TASKS')} "
+                "tasks: submit it with --ntasks 1 (srun.sbatch starts a process per task)",
+                "train.py",
+            )
+    except SchedulerError as exc:
+        fail(str(exc), "train.py")
     parser = build_parser(impl, add_options, description, distributed)
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
@@ -261,6 +266,10 @@ def parse_config(
     checking = launch.get("check_ranks")
     if checking and under_torchrun():
         parser.error("--check-ranks checks options before a launcher starts the ranks, not in a rank")
+    if checking and (launch["nproc_per_node"] or launch["max_restarts"]):
+        parser.error("--check-ranks N checks a run of N ranks in all: drop --nproc-per-node/--max-restarts")
+    if checking and one_process is not None and (why := one_process(cfg)):
+        parser.error(f"--check-ranks is for runs of several ranks, but {why}: drop it")
     if checking:
         world_size = checking
     elif world_size is None and distributed and under_torchrun():

@@ -31,13 +31,26 @@ import subprocess
 BASE_PORT = 29500
 
 
+class SchedulerError(ValueError):
+    """A launcher's variable that is missing or not what it should be (one line: the caller exits 2)."""
+
+
+def number(*names: str, default: str | None = None) -> int:
+    """The first of the variables `names` that is set, as a non-negative integer (else `default`)."""
+    value = next((os.environ[n] for n in names if n in os.environ), default)
+    if value is None or not value.isdigit():
+        shown = " or ".join(names)
+        raise SchedulerError(f"{shown}={value!r} from the launcher: not a non-negative integer")
+    return int(value)
+
+
 def srun_task() -> bool:
     """Whether srun started this process as one task of a step of several tasks, with no torchrun
     between (torchrun's workers inherit SLURM's variables, and have torchrun's LOCAL_RANK)."""
     env = os.environ
     if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env or "LOCAL_RANK" in env:
         return False
-    return int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))) > 1
+    return number("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default="1") > 1
 
 
 def tasks_on_node(tasks_per_node: str, node_index: int) -> int:
@@ -46,8 +59,12 @@ def tasks_on_node(tasks_per_node: str, node_index: int) -> int:
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not match:
-            raise ValueError(f"unexpected SLURM tasks-per-node list {tasks_per_node!r}")
+            raise SchedulerError(f"unexpected SLURM tasks-per-node list {tasks_per_node!r}")
         counts += [int(match[1])] * int(match[2] or 1)
+    if not 0 <= node_index < len(counts):
+        raise SchedulerError(
+            f"SLURM_NODEID={node_index} is not a node of the tasks-per-node list {tasks_per_node!r}"
+        )
     return counts[node_index]
 
 
@@ -74,15 +91,23 @@ def become_rank_of_srun_step() -> None:
     if not srun_task():
         return
     env = os.environ
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
-    env["LOCAL_RANK"] = env["SLURM_LOCALID"]
+    # every value checked before any is set: a bad one is one line, and nothing half-done
+    rank, world, local = (
+        number("SLURM_PROCID"),
+        number("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+        number("SLURM_LOCALID"),
+    )
+    node = number("SLURM_NODEID", default="0")
     tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
-    env["LOCAL_WORLD_SIZE"] = str(tasks_on_node(tasks_per_node, int(env.get("SLURM_NODEID", "0"))))
-    env["GROUP_RANK"] = env.get("SLURM_NODEID", "0")
+    local_world = tasks_on_node(tasks_per_node, node)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if "MASTER_ADDR" not in env and not nodelist:
+        raise SchedulerError("srun set neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST: no first node")
+    env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(rank), str(world), str(local)
+    env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"] = str(local_world), str(node)
     if "MASTER_ADDR" not in env:
-        env["MASTER_ADDR"] = first_node_address(env.get("SLURM_STEP_NODELIST", env["SLURM_JOB_NODELIST"]))
-    env.setdefault("MASTER_PORT", str(BASE_PORT + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+        env["MASTER_ADDR"] = first_node_address(nodelist)
+    env.setdefault("MASTER_PORT", str(BASE_PORT + number("SLURM_JOB_ID", default="0") % 1000))
 
 
 def pytorchjob_pod() -> bool:
@@ -98,6 +123,7 @@ def pytorchjob_pod() -> bool:
 def become_rank_of_pod() -> None:
     """In a PyTorchJob pod that runs train.py itself: the pod's one rank is its local rank 0."""
     if pytorchjob_pod():
+        number("RANK"), number("WORLD_SIZE"), number("MASTER_PORT")  # (checked: one line if not numbers)
         os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
 
 
