@@ -128,7 +128,7 @@ def test_the_batchnorm_context_can_be_entered_again():
 def test_gpt_layers_sets_the_depth():
     """--gpt-layers N: embed, N transformer blocks, head; the residual projections' init shrinks with depth
     (GPT-2: std 0.02 / sqrt(2N)), and the partition says which depth fits a number of parts."""
-    from distref.distributed.partition import block_sizes, choose_cut_points
+    from distref.distributed.partition import choose_cut_points, named_block_sizes
 
     torch.manual_seed(0)
     model = build_model("gpt", INFOS["gpt"], gpt_layers=6)
@@ -136,8 +136,8 @@ def test_gpt_layers_sets_the_depth():
     assert model(sample_input("gpt")).shape == (3, 16, 11)
     std = model.get_submodule("block5.attn.proj").weight.std().item()
     assert std == pytest.approx(0.02 / 12**0.5, rel=0.1)
-    assert list(block_sizes("gpt", 6)) == [n for n, _ in model.named_children()]
-    assert choose_cut_points("gpt", None, 8, gpt_layers=6) == ([1, 2, 3, 4, 5, 6, 7], None)
-    assert choose_cut_points("gpt", None, 8)[1] == (
+    assert list(named_block_sizes("gpt", 6)) == [n for n, _ in model.named_children()]
+    assert choose_cut_points(named_block_sizes("gpt", 6), None, 8, "gpt") == ([1, 2, 3, 4, 5, 6, 7], None)
+    assert choose_cut_points(named_block_sizes("gpt"), None, 8, "gpt")[1] == (
         "8 parts but --model gpt has only 4 blocks (gpt has --gpt-layers + 2: use --gpt-layers 6)"
     )

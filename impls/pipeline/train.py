@@ -68,7 +68,7 @@ from distref.distributed import (
     send_tensor,
     start_process_group,
 )
-from distref.distributed.partition import choose_cut_points, part_bounds
+from distref.distributed.partition import block_sizes, choose_cut_points, cut_problem, part_bounds
 from distref.distributed.stages import ScheduleTimeline, TimedStage
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
@@ -538,7 +538,6 @@ def main(argv: list[str] | None = None) -> dict:
     n_micro, dp = options.microbatches, options.dp
     mesh = pipeline_mesh(device, options, world_size)
     is_main = rank == 0  # rank 0 writes the record, the checkpoint index and the final state_dict
-    cuts = choose_cut_points(cfg.model, options.partition, mesh.n_stages, cfg.gpt_layers)[0]
     # --- end PIPELINE ---
 
     # ---- Data and model: the same in every impl -------------------------------------------------
@@ -548,8 +547,10 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     # --- PIPELINE: every rank builds the whole model (same seed, same parameters as single), then keeps
     # only its stages' blocks as `model` (optimizer, state_dict; the schedule runs the stages, not `model`).
+    # The cuts: --partition, else those balancing the parameters of the blocks of the model built.
+    cuts = choose_cut_points(block_sizes(model), options.partition, mesh.n_stages)[0]
     core_keys = list(model.state_dict())  # the final state_dict keeps the core model's keys, in order
-    core_blocks = len(model)  # (its blocks, for the activations' formula)
+    core_blocks = len(list(model.children()))  # (its blocks, for the activations' formula)
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
     stage_modules, examples, layout = cut_into_stages(model, cuts, cfg, mesh, micro_batch, device, is_main)
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
@@ -731,8 +732,8 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     if cfg.precision == "fp16":
         # GradScaler decides per process whether a step had inf/nan gradients; the stages would disagree.
         return "--precision fp16 with one process per stage would need a shared inf check: use bf16"
-    cut_problem = choose_cut_points(cfg.model, options.partition, p * v, cfg.gpt_layers)[1]
-    return cut_problem or microbatch_problem(schedule, m, p, p * v)
+    # (a model of yours: checked to be a sequence of blocks, and cut so that every stage has parameters)
+    return cut_problem(cfg, options.partition, p * v) or microbatch_problem(schedule, m, p, p * v)
 
 
 def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
@@ -748,6 +749,7 @@ def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunC
         distributed=True,
         splits_batch=False,
         strategy_options=PipelineOptions,
+        cuts_model=True,  # (a model of yours must be a sequence of blocks: check_options)
     )
 
 

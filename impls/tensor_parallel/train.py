@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
-from distref.config import RunConfig, positive_int, under_torchrun
+from distref.config import RunConfig, exit_after_rank_0_spoke, fail, is_factory, positive_int, under_torchrun
 from distref.cost import Predicted
 from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
@@ -93,8 +93,8 @@ class TPOptions:
 
     tp: int | None
     dp_shard: int | None
-    sequence_parallel: bool
-    loss_parallel: bool
+    sequence_parallel: bool | None  # None (not given): on for gpt, off for a model of yours (`resolved`)
+    loss_parallel: bool | None
 
 
 def mesh_shape(options: TPOptions, world_size: int) -> tuple[int, int]:
@@ -113,6 +113,20 @@ def make_mesh(dp: int, tp: int, device: torch.device) -> DeviceMesh:
     neighbouring ranks (on a cluster, one node's fast links); data parallelism (FSDP: a gather per block
     in forward and backward, a reduce-scatter per block per step, each on 1/T of the bytes) spans them."""
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}  # a model of yours names them in its plan
+
+
+def apply_own_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """A model of yours (--model MODULE:FUNCTION) split by the plan it carries, `model.tp_plan`:
+    {submodule name: "colwise" | "rowwise"}, as Hugging Face models carry theirs. Colwise splits a
+    linear layer by output rows (each rank computes a slice of the features), rowwise by input columns
+    (each rank's partial product, summed: an all-reduce): a colwise layer, then element-wise operations,
+    then a rowwise one (Megatron's MLP). Checked against the model itself before training
+    (`own_plan_problem`)."""
+    plan = {name: STYLES[style]() for name, style in model.tp_plan.items()}
+    return parallelize_module(model, tp_mesh, plan)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions) -> nn.Module:
@@ -169,10 +183,42 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 def parallelize(model: nn.Module, mesh: DeviceMesh, options: TPOptions) -> nn.Module:
     """Split every layer over the tensor-parallel group, then, on a 2-D mesh, shard the slices over the
     data-parallel groups (torchtitan's `parallelize_*`: apply_tp, then apply_fsdp)."""
-    model = apply_tp(model, mesh["tp"], options)
+    model = (
+        apply_own_plan(model, mesh["tp"])
+        if hasattr(model, "tp_plan")
+        else apply_tp(model, mesh["tp"], options)
+    )
     if mesh["dp_shard"].size() > 1:
         model = apply_fsdp(model, mesh["dp_shard"])
     return model
+
+
+@torch.no_grad()
+def own_plan_problem(
+    model: nn.Module, whole: nn.Module, train_set: TensorData, cfg: RunConfig, device: torch.device
+) -> str | None:
+    """Why the split `model` (a model of yours, split by its tp_plan) does not compute what `whole`, the
+    same parameters unsplit, does on the first training samples (eval mode), or None. Every rank gets
+    the same answer (the split model's output is whole on every rank). A collective: every rank calls it."""
+    x = train_set.x[:4].to(device)
+    whole.to(device).eval()
+    model.eval()
+    try:
+        split = local_part(model(x))
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"--model {cfg.model}: its tp_plan fails in forward ({type(exc).__name__}: {first_line})"
+    finally:
+        model.train()
+    expected = whole(x)
+    whole.to("cpu").train()
+    if split.shape != expected.shape or not torch.allclose(split, expected, rtol=1e-4, atol=1e-5):
+        return (
+            f"--model {cfg.model}: split by its tp_plan {dict(model.tp_plan)} it does not compute its "
+            "forward (a colwise layer's sliced output must reach a rowwise layer through element-wise "
+            "operations only)"
+        )
+    return None
 
 
 def evaluate_gathered(
@@ -202,6 +248,8 @@ def record_held_shapes(model: nn.Module) -> dict[str, list[int]]:
     Each hook removes itself once it has looked: nothing runs in later steps."""
     shapes: dict[str, list[int]] = {}
     handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+    if hasattr(model, "tp_plan"):  # a model of yours: no gpt blocks to look at
+        return shapes
     for name, module in (("between_blocks", model.block0), ("logits", model.head)):
 
         def note(_module, _args, output, name=name) -> None:  # (returning None keeps the output)
@@ -216,7 +264,10 @@ def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
     """What a rank of the (dp_shard, tp) mesh costs by formula (distref.cost.tensor_parallel): per block
     two all-reduces forward and two backward of b·s·h (sequence parallel: all-gathers and reduce-scatters
     instead), the embeddings' and the loss's, FSDP2's over the dp_shard groups; this rank's slices of
-    every parameter, gradient and optimizer state; the activations it holds (its heads, its MLP units)."""
+    every parameter, gradient and optimizer state; the activations it holds (its heads, its MLP units).
+    A model of yours: no formula (yet), nothing predicted."""
+    if is_factory(cfg.model):
+        return Predicted()
     gpt = GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=cfg.gpt_layers)
     dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
     shape = dict(layers=gpt.n_layer, hidden=gpt.n_embd, vocabulary=gpt.vocab_size, sequence=gpt.block_size)
@@ -288,7 +339,11 @@ def main(argv: list[str] | None = None) -> dict:
     # (every rank built the same parameters, same seed: each keeps its slice). A plain copy of the model
     # scores the gathered parameters (evaluation), kept on the CPU between evaluations (evaluate_gathered).
     eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    eval_model.load_state_dict(model.state_dict())  # (the same parameters, for own_plan_problem)
     model = parallelize(model, mesh, cfg.strategy)
+    # A plan of yours, checked once: does the split model compute what the whole one does?
+    if is_factory(cfg.model) and (problem := own_plan_problem(model, eval_model, train_set, cfg, device)):
+        fail(problem, f"{IMPL}/train.py") if is_main else exit_after_rank_0_spoke(2)
     optimizer = make_optimizer(cfg, model.parameters())  # over the slices: each rank steps its own
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
@@ -406,31 +461,36 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
-        default=True,
         help="split layer norms and the residual stream along the sequence (all-gather + reduce-scatter "
         "per layer instead of an all-reduce; activations 1/T per rank); --no-sequence-parallel repeats "
-        "them on every rank",
+        "them on every rank (default: on for gpt, off for a model of yours)",
     )
     parser.add_argument(
         "--loss-parallel",
         action=argparse.BooleanOptionalAction,
-        default=True,
         help="cross-entropy on the logits as split over the vocabulary (never gathered whole); "
-        "--no-loss-parallel all-gathers them first",
+        "--no-loss-parallel all-gathers them first (default: on for gpt, off for a model of yours)",
     )
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
-    if cfg.model != "gpt":
-        return f"--model {cfg.model}: tensor parallelism here splits gpt's attention heads and MLP; use --model gpt"
     dp, tp = mesh_shape(cfg.strategy, world_size)
+    if is_factory(cfg.model):
+        problem = own_model_problem(cfg, tp)
+        if problem:
+            return problem
+    elif cfg.model != "gpt":
+        return (
+            f"--model {cfg.model}: tensor parallelism here splits gpt's attention heads and MLP, or a model "
+            "of yours by its tp_plan; use --model gpt or MODULE:FUNCTION"
+        )
     if dp * tp != world_size:
         if cfg.strategy.tp is None or cfg.strategy.dp_shard is None:
             given = f"--tp {tp}" if cfg.strategy.tp else f"--dp-shard {dp}"
             return f"{given} must divide the {world_size} ranks"
         return f"--dp-shard {dp} × --tp {tp} = {dp * tp} ranks, but the job has {world_size}"
     gpt = GPTConfig(vocab_size=1, block_size=1)  # the shape --model gpt has (distref.models)
-    if gpt.n_head % tp or (4 * gpt.n_embd) % tp:
+    if cfg.model == "gpt" and (gpt.n_head % tp or (4 * gpt.n_embd) % tp):
         return (
             f"--tp {tp} must divide gpt's {gpt.n_head} attention heads and its MLP's {4 * gpt.n_embd} units"
         )
@@ -446,18 +506,59 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     return None
 
 
+def own_model_problem(cfg: RunConfig, tp: int) -> str | None:
+    """A model of yours: it carries a plan (`apply_own_plan`) naming its linear layers, each splittable
+    T ways; sequence and loss parallelism are gpt's."""
+    options = cfg.strategy
+    if options.sequence_parallel or options.loss_parallel:
+        return (
+            "--sequence-parallel and --loss-parallel split gpt's layer norms and vocabulary, not a model "
+            "of yours"
+        )
+    model = build_model(cfg.model, None)  # (validate built it already: it builds)
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return (
+            f"--model {cfg.model}: tensor parallelism needs the model's plan, a `tp_plan` attribute "
+            '{submodule name: "colwise" | "rowwise"}, e.g. {"fc1": "colwise", "fc2": "rowwise"}'
+        )
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if style not in STYLES:
+            return f'--model {cfg.model}: tp_plan[{name!r}] is {style!r}, not "colwise" or "rowwise"'
+        if not isinstance(modules.get(name), nn.Linear):
+            return f"--model {cfg.model}: tp_plan names {name!r}, which is not a linear layer of the model"
+        features = modules[name].out_features if style == "colwise" else modules[name].in_features
+        if features % tp:
+            which = "outputs" if style == "colwise" else "inputs"
+            return f"--model {cfg.model}: {name}'s {features} {which} ({style}) do not split over --tp {tp}"
+    return None
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """Sequence and loss parallelism not given: on for gpt, off for a model of yours."""
+    options, gpt = cfg.strategy, not is_factory(cfg.model)
+    on = {
+        k: gpt if getattr(options, k) is None else getattr(options, k)
+        for k in ("sequence_parallel", "loss_parallel")
+    }
+    return dataclasses.replace(cfg, strategy=dataclasses.replace(options, **on))
+
+
 def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
     """The command line, checked (one line and exit 2 on bad input, before any rank exists)."""
-    return parse_config(
-        argv,
-        IMPL,
-        add_options,
-        world_size,
-        check_options,
-        description=__doc__,
-        distributed=True,
-        splits_batch=False,  # --- TP: check_options splits the batch over --dp-shard only
-        strategy_options=TPOptions,
+    return resolved(
+        parse_config(
+            argv,
+            IMPL,
+            add_options,
+            world_size,
+            check_options,
+            description=__doc__,
+            distributed=True,
+            splits_batch=False,  # --- TP: check_options splits the batch over --dp-shard only
+            strategy_options=TPOptions,
+        )
     )
 
 

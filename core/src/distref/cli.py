@@ -21,14 +21,17 @@ from distref.config import (
     MODELS,
     PARSE_TIMES,
     ROOTED_DATASETS,
+    FactoryError,
     Launch,
     OneLineErrorParser,
     RunConfig,
+    choice_or_factory,
     exit_after_rank_0_spoke,
     fail,
     file_problem,
     folder_problem,
     fraction,
+    is_factory,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -37,7 +40,7 @@ from distref.config import (
     under_torchrun,
     uses_cuda,
 )
-from distref.data.datasets import train_set_size
+from distref.data.datasets import sample_batch, train_set_size
 from distref.data.tensors import DataError
 from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
 from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
@@ -74,7 +77,14 @@ def build_parser(
     )
     contract = parser.add_argument_group("run contract (the same for every impl)")
     p = contract.add_argument
-    p("--model", choices=MODELS, default="lenet", help="an ordered list of named blocks (distref.models)")
+    p(
+        "--model",
+        metavar="{" + ",".join(MODELS) + "} or MODULE:FUNCTION",
+        type=choice_or_factory("--model", MODELS),
+        default="lenet",
+        help="an ordered list of named blocks (distref.models), or a function of yours returning an "
+        "nn.Module (docs/own-project.md)",
+    )
     p(
         "--gpt-layers",
         metavar="N",
@@ -82,7 +92,14 @@ def build_parser(
         default=2,
         help="transformer blocks of --model gpt (its blocks: embed, N blocks, head)",
     )
-    p("--dataset", choices=DATASETS, default="mnist", help="real MNIST is prepared offline, md5-checked")
+    p(
+        "--dataset",
+        metavar="{" + ",".join(DATASETS) + "} or MODULE:FUNCTION",
+        type=choice_or_factory("--dataset", DATASETS),
+        default="mnist",
+        help="real MNIST is prepared offline, md5-checked; or a function of yours returning (train, test) "
+        "datasets of (input, target) pairs",
+    )
     p(
         "--data-root",
         metavar="DIR",
@@ -230,6 +247,7 @@ def parse_config(
     splits_batch: bool = True,
     one_process: Callable[[RunConfig], str | None] | None = None,
     strategy_options: type | None = None,
+    cuts_model: bool = False,
 ) -> RunConfig:
     """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2.
 
@@ -239,7 +257,8 @@ def parse_config(
     batch then only has to divide into --grad-accum micro-batches. `one_process` says why a run of a
     `distributed` impl is one process after all (model_parallel --devices), or None: the launcher options
     that would start ranks are then refused, not ignored. `strategy_options` is the impl's frozen dataclass
-    of its own options (those `add_options` adds, by the same names): `cfg.strategy`."""
+    of its own options (those `add_options` adds, by the same names): `cfg.strategy`. `cuts_model`: the
+    impl cuts the model between its blocks (its `check` checks a model of your own can be cut)."""
     PARSE_TIMES.append(time.perf_counter())  # a run begins (the record's start-up counts from here on)
     try:
         if (
@@ -285,7 +304,7 @@ def parse_config(
         world_size = launch["nproc_per_node"] or default_ranks(cfg)
         cfg = dataclasses.replace(cfg, launch=Launch(world_size, launch["max_restarts"]))
     shards = (world_size or 1) if splits_batch else 1
-    problem = validate(cfg, shards) or (check(cfg, world_size or 1) if check else None)
+    problem = validate(cfg, shards, cuts_model) or (check(cfg, world_size or 1) if check else None)
     if not problem and distributed and not checking and not (one_process and one_process(cfg)):
         problem = gpus_problem(cfg, world_size or 1)  # (checked by each node's ranks when checking)
     if problem:
@@ -294,6 +313,18 @@ def parse_config(
         print(f"{impl}: the options fit a run of {checking} ranks")
         sys.exit(0)
     return cfg
+
+
+def torchvision_problem() -> str | None:
+    """Why torchvision cannot be used here, or None. Any failure to import it counts: PyPI's torchvision
+    for a CPU torch is a CUDA build that fails at import (`operator torchvision::nms does not exist`)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return "it is not installed"
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # (the broken build raises RuntimeError, others OSError or ImportError)
+        return f"it fails to import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return None
 
 
 def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
@@ -329,15 +360,19 @@ def default_ranks(cfg: RunConfig) -> int:
     return max(1, torch.cuda.device_count()) if uses_cuda(cfg) else 2
 
 
-def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
-    """Return a one-line description of what is wrong with `cfg`, or None."""
+def validate(cfg: RunConfig, world_size: int = 1, cuts_model: bool = False) -> str | None:
+    """Return a one-line description of what is wrong with `cfg`, or None. `cuts_model`: the impl cuts
+    the model between its blocks (model_parallel, pipeline)."""
     import torch  # local: the parser itself must stay importable without torch for quick CLI errors
 
     if cfg.gpt_layers != 2 and cfg.model != "gpt":
         return f"--gpt-layers sets the depth of --model gpt, not of --model {cfg.model}"
-    if cfg.dataset not in MODEL_DATASETS[cfg.model]:
+    own_code = is_factory(cfg.model) or is_factory(cfg.dataset)
+    if not own_code and cfg.dataset not in MODEL_DATASETS[cfg.model]:
         allowed = ", ".join(MODEL_DATASETS[cfg.model])
         return f"--model {cfg.model} does not train on --dataset {cfg.dataset} (use one of: {allowed})"
+    if own_code and cfg.dataset != "text" and (problem := own_code_problem(cfg, cuts_model)):
+        return problem  # (text: checked below, once the file is known to be there)
     shards = world_size * cfg.grad_accum
     if cfg.global_batch_size % shards:
         return (
@@ -346,6 +381,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
         )
     if cfg.dataset == "text" and not Path(cfg.data_root).is_file():
         return f"--dataset text needs --data-root to be a text file; {cfg.data_root!r} is not a file"
+    if own_code and cfg.dataset == "text" and (problem := own_code_problem(cfg, cuts_model)):
+        return problem
     data_root = Path(cfg.data_root)
     if cfg.dataset in ROOTED_DATASETS and (problem := folder_problem("--data-root", data_root, writes=False)):
         return problem
@@ -364,12 +401,16 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
             f"--global-batch-size {cfg.global_batch_size} is larger than the {cfg.dataset} training set "
             f"({samples} samples): one step would need more samples than there are"
         )
-    needs_torchvision = cfg.dataset in ROOTED_DATASETS or cfg.model == "resnet18"
-    if needs_torchvision and importlib.util.find_spec("torchvision") is None:
+    # MNIST and Fashion-MNIST are read from their IDX files without torchvision; CIFAR-10's loader and
+    # resnet18 are torchvision's (--dataset synthetic does not spare resnet18 torchvision)
+    needs_torchvision = cfg.dataset == "cifar10" or cfg.model == "resnet18"
+    if needs_torchvision and (why := torchvision_problem()):
         what = f"--model {cfg.model}" if cfg.model == "resnet18" else f"--dataset {cfg.dataset}"
-        # (resnet18 is torchvision's model: --dataset synthetic does not spare it torchvision)
-        instead = "--model lenet or gpt" if cfg.model == "resnet18" else "--dataset synthetic"
-        return f"{what} needs torchvision: pip install torchvision (pinned with torch), or use {instead}"
+        instead = "--model lenet or gpt" if cfg.model == "resnet18" else "--dataset synthetic or mnist"
+        return (
+            f"{what} needs torchvision, and {why}: pip install torchvision (the build made for your torch), "
+            f"or use {instead}"
+        )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this torch build"
     if cfg.precision == "fp16" and not uses_cuda(cfg):
@@ -392,6 +433,43 @@ def validate(cfg: RunConfig, world_size: int = 1) -> str | None:
         return (
             f"--out {cfg.out} already holds a record.json; choose another --out, or continue that run "
             "with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
+        )
+    return None
+
+
+def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
+    """A model or dataset of your own (MODULE:FUNCTION), tried before any rank starts: each imports, the
+    dataset holds (input, target) pairs, the model is an nn.Module whose forward takes a few of the
+    dataset's inputs and gives logits the loss takes with their targets. With --activation-checkpointing
+    (in an impl that does not cut the model itself) the model is an nn.Sequential: what recomputes block
+    by block. Models that are cut (model_parallel, pipeline) are checked further by the impl
+    (distref.distributed.partition.cut_problem)."""
+    import torch
+
+    from distref.models import BlockModel, build_model
+    from distref.training.steps import loss_fn
+
+    try:
+        x, y, info = sample_batch(cfg)
+        model = build_model(cfg.model, info, cfg.gpt_layers)
+    except (DataError, FactoryError, ValueError) as exc:
+        return str(exc)
+    on = f"--model {cfg.model} on --dataset {cfg.dataset}"
+    try:
+        with torch.no_grad():
+            loss = loss_fn(model.eval()(x), y)
+    except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return (
+            f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
+            f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line}"
+        )
+    if not torch.isfinite(loss):
+        return f"{on}: the loss of a first batch is {loss.item()}"
+    if cfg.activation_checkpointing and not cuts_model and not isinstance(model, BlockModel):
+        return (
+            f"--activation-checkpointing recomputes the blocks of an nn.Sequential; {cfg.model} returns a "
+            f"{type(model).__name__}: build it as an nn.Sequential of blocks, or drop the option"
         )
     return None
 

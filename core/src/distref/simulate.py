@@ -79,6 +79,7 @@ from distref.cost.sharded import fsdp as fsdp_communication
 from distref.cost.sharded import fsdp_model_states
 from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
 from distref.cost.zero import zero_communication, zero_model_states
+from distref.distributed.partition import choose_cut_points, named_block_sizes
 from distref.impl_folders import load_train_module
 from distref.models import BlockModel, GPTConfig, gpt
 from distref.training.device import autocast, param_dtype
@@ -542,7 +543,9 @@ def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Outcom
     device = device_of(tensors)
     options = cfg.strategy
     mesh = module.pipeline_mesh(device, options, world_size)
-    cuts = module.choose_cut_points("gpt", options.partition, mesh.n_stages, shape.layers)[0]
+    cuts = choose_cut_points(named_block_sizes("gpt", shape.layers), options.partition, mesh.n_stages, "gpt")[
+        0
+    ]
     micro_batch = cfg.global_batch_size // (options.dp * options.microbatches)
     model = build(shape, tensors, cfg)
     with step_tensors(tensors, model):

@@ -20,8 +20,10 @@ from distref.testing import (
     mnist_convergence_args,
     parity_args,
     run_script,
+    skip_where_torchvision_cannot_serve,
     train_path,
 )
+from distref.testing.own import check_parity_on_your_model
 
 TRAIN = str(train_path("dataparallel"))
 
@@ -54,6 +56,7 @@ def test_parity_with_single(grad_accum, dataparallel_train, single_reference, tm
 def test_parity_with_single_for_a_model_with_batchnorm(dataparallel_train, single_train, tmp_path):
     """resnet18: parameters and BatchNorm buffers (running statistics, num_batches_tracked) alike."""
     args = batchnorm_args(4)
+    skip_where_torchvision_cannot_serve(args)
     single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
     dataparallel_train.main([*args, "--save-final", str(tmp_path / "dp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("dp", "single"))
@@ -185,3 +188,10 @@ def test_parallelises_across_gpus_with_parity(dataparallel_train, single_train, 
     reference = torch.load(tmp_path / "single.pt", weights_only=True)
     final = torch.load(tmp_path / "dp.pt", weights_only=True)
     assert max_relative_difference(final, reference) < FP64_TOLERANCE  # the split batch sums in another order
+
+
+def test_parity_with_single_on_your_model(dataparallel_train, tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named).
+    Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
+    -k your_model"""
+    check_parity_on_your_model(lambda args: dataparallel_train.main(args), tmp_path)

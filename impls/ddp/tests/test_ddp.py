@@ -35,10 +35,12 @@ from distref.testing import (
     run_script,
     score_saved_model,
     self_launched,
+    skip_where_torchvision_cannot_serve,
     tampered_mnist,
     torchrun,
     train_path,
 )
+from distref.testing.own import check_parity_on_your_model
 from distref.training.checkpoint import checkpoint_state, save_checkpoint
 
 TRAIN = str(train_path("ddp"))
@@ -216,6 +218,7 @@ def test_batchnorm_model_is_evaluated_with_rank_0s_statistics(tmp_path):
     """On CPU each rank's BatchNorm keeps its own running statistics (no SyncBatchNorm): the recorded
     accuracy must be that of the model rank 0 saves, not a mix of two models' halves."""
     args = batchnorm_args(6)
+    skip_where_torchvision_cannot_serve(args)
     run_ddp(2, [*args, "--save-final", str(tmp_path / "final.pt"), "--out", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "record.json").read_text())
     assert record["final_accuracy"] == score_saved_model(tmp_path / "final.pt", args)
@@ -447,9 +450,17 @@ def test_two_gpus_match_single(single_train, tmp_path):
 def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     """What one step sends, counted at the dispatcher, equals distref.cost.data_parallel.ddp exactly, and
     each rank's model states distref.cost.memory.replicated."""
+    skip_where_torchvision_cannot_serve(extra)
     run_ddp(world_size, [*COST_RUN, *extra, "--out", str(tmp_path)])
     record = check_communication_predicted(tmp_path, world_size)
     check_model_states_predicted(record)
     check_activations_predicted(record)
     all_reduce = record["communication"]["measured"][0]["all_reduce"]
     assert all_reduce["calls"] >= (2 if "--bucket-cap-mb" in extra else 1)
+
+
+def test_parity_with_single_on_your_model(tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named).
+    Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
+    -k your_model"""
+    check_parity_on_your_model(lambda args: run_ddp(2, args), tmp_path)

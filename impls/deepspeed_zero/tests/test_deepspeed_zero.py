@@ -28,6 +28,7 @@ from distref.testing import (
     self_launched,
     train_path,
 )
+from distref.testing.own import check_parity_on_your_model
 from distref.training import CheckpointError, latest_checkpoint
 
 IMPL = "deepspeed_zero"
@@ -337,3 +338,10 @@ def test_cost_equals_the_formulas(case, tmp_path):
         assert set(measured) == {"all_reduce", "all_gather"}
     else:
         assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}
+
+
+def test_parity_with_single_on_your_model(tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named).
+    Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
+    -k your_model"""
+    check_parity_on_your_model(lambda args: run_zero(2, args), tmp_path)

@@ -28,6 +28,7 @@ from distref.testing import (
     score_saved_model,
     self_launched,
 )
+from distref.testing.own import check_parity_on_your_model
 from distref.training import CheckpointError, check_listed_files
 
 IMPL = "fsdp"
@@ -288,3 +289,10 @@ def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     if world_size == 3:  # uneven shards: the last rank holds fewer rows than the others
         held = [states["parameters"] for states in record["model_state_bytes"]]
         assert held[2] < held[0] == held[1]
+
+
+def test_parity_with_single_on_your_model(tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named).
+    Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
+    -k your_model"""
+    check_parity_on_your_model(lambda args: run_fsdp(2, args), tmp_path)

@@ -26,7 +26,9 @@ from distref.testing import (
     parity_args,
     score_saved_model,
     self_launched,
+    skip_where_torchvision_cannot_serve,
 )
+from distref.testing.own import check_parity_on_your_model
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
 TIMEOUT = ["--timeout", "60"]
@@ -84,6 +86,7 @@ def test_bit_identical_to_single(model, form, grad_accum, single_reference, tmp_
 def test_bit_identical_to_single_with_batchnorm(single_train, tmp_path):
     """resnet18: BatchNorm's running statistics live in the parts too, and end equal to single's."""
     args = batchnorm_args(4)
+    skip_where_torchvision_cannot_serve(args)
     single_train.main([*args, "--save-final", str(tmp_path / "single.pt")])
     run_mp(["--nproc-per-node", "2", *args, "--save-final", str(tmp_path / "mp.pt")])
     final, reference = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("mp", "single"))
@@ -267,3 +270,10 @@ def test_cost_equals_the_formulas(parts, extra, tmp_path):
         assert all(
             m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"]
         )
+
+
+def test_parity_with_single_on_your_model(tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named).
+    Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
+    -k your_model"""
+    check_parity_on_your_model(lambda args: run_mp(["--nproc-per-node", "2", *args]), tmp_path)

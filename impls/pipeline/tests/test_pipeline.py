@@ -28,7 +28,9 @@ from distref.testing import (
     parity_args,
     score_saved_model,
     self_launched,
+    skip_where_torchvision_cannot_serve,
 )
+from distref.testing.own import check_parity_on_your_model
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
 TIMEOUT = ["--timeout", "60"]
@@ -190,6 +192,7 @@ BATCHNORM_MICROBATCHES = 4  # resnet18's 6 blocks as 2 or 4 stages; M=4 suits ev
 @pytest.fixture(scope="module")
 def single_batchnorm_reference(tmp_path_factory, single_train):
     """single --grad-accum M on resnet18 (BatchNorm buffers): what every schedule must equal, buffers too."""
+    skip_where_torchvision_cannot_serve(batchnorm_args(2))  # (and so the tests that use this reference)
     path = tmp_path_factory.mktemp("single-bn") / "final.pt"
     single_train.main(
         [*batchnorm_args(2), "--grad-accum", str(BATCHNORM_MICROBATCHES), "--save-final", str(path)]
@@ -450,6 +453,7 @@ def test_cost_equals_the_formulas(case, tmp_path):
     exactly (M sends of each boundary's activation, M of its gradient; with --dp an all-reduce per
     parameter and a broadcast per buffer), and each rank's model states those of its stages."""
     ranks, extra = COST_CASES[case]
+    skip_where_torchvision_cannot_serve(extra)
     run_pp(ranks, [*COST_RUN, *extra, "--out", str(tmp_path)])
     record = check_communication_predicted(tmp_path, ranks)
     check_model_states_predicted(record)
@@ -498,3 +502,10 @@ def test_the_record_holds_each_rank_s_timeline_of_one_step(tmp_path):
     for micro in range(m):  # the activation goes 0 → 1, its gradient 1 → 0
         assert interval(1, "F", micro)[0] > interval(0, "F", micro)[1]
         assert interval(0, "B", micro)[0] > interval(1, "B", micro)[1]
+
+
+def test_parity_with_single_on_your_model(tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named).
+    Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
+    -k your_model"""
+    check_parity_on_your_model(lambda args: run_pp(2, args), tmp_path)

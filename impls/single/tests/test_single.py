@@ -12,6 +12,7 @@ from distref.testing import (
     expected_time_to_target,
     max_relative_difference,
     mnist_convergence_args,
+    skip_where_torchvision_cannot_serve,
 )
 
 # lr 0.01: at 0.05 this synthetic workload amplifies fp32 rounding (sums in another order) to ~1e-4 in
@@ -78,6 +79,7 @@ def test_activation_checkpointing_recomputes_and_changes_nothing(
 ):
     """Same parameters *and buffers* (BatchNorm statistics updated once per step, not twice), bitwise;
     and the option took effect: every block ran once more per step (its recomputation in backward)."""
+    skip_where_torchvision_cannot_serve(model_args)
     runs = {}
     for flag, name in (([], "plain"), (["--activation-checkpointing"], "ckpt")):
         calls = counting_block_calls(single_train, monkeypatch)

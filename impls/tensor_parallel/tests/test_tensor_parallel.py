@@ -27,6 +27,7 @@ from distref.testing import (
     score_saved_model,
     self_launched,
 )
+from distref.testing.own import check_parity_on_your_model
 
 IMPL = "tensor_parallel"
 GPT = ["--model", "gpt", "--dataset", "synthetic"]
@@ -205,7 +206,8 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
         (
             ["--model", "lenet"],
             2,
-            "--model lenet: tensor parallelism here splits gpt's attention heads and MLP; use --model gpt",
+            "--model lenet: tensor parallelism here splits gpt's attention heads and MLP, or a model of yours "
+            "by its tp_plan; use --model gpt or MODULE:FUNCTION",
         ),
         ([*GPT, "--tp", "3"], 4, "--tp 3 must divide the 4 ranks"),
         ([*GPT, "--dp-shard", "3"], 4, "--dp-shard 3 must divide the 4 ranks"),
@@ -243,7 +245,7 @@ def test_plain_python_refuses_bad_input_before_starting_any_rank():
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1:] == [
         "tensor_parallel/train.py: error: --model lenet: tensor parallelism here splits gpt's attention "
-        "heads and MLP; use --model gpt"
+        "heads and MLP, or a model of yours by its tp_plan; use --model gpt or MODULE:FUNCTION"
     ]
     assert "Traceback" not in result.stderr and "starting" not in result.stdout
 
@@ -307,3 +309,10 @@ def test_on_gpus_matches_single_and_bf16_runs(single_train, tmp_path):
     run_tp(2, [*args, "--precision", "bf16", "--out", str(tmp_path / "bf16")])
     record = json.loads((tmp_path / "bf16" / "record.json").read_text())
     assert record["status"] == "completed" and all(s["loss"] is not None for s in record["steps"])
+
+
+def test_parity_with_single_on_your_model(tmp_path):
+    """The parity proof on your model and data (distref.testing.own's example MLP where none is named);
+    your model carries its plan, `tp_plan` (README). Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION
+    [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest -k your_model"""
+    check_parity_on_your_model(lambda args: run_tp(2, args), tmp_path)

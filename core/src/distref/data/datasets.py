@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from distref.config import RunConfig
+from distref.config import FactoryError, RunConfig, is_factory, load_factory
 from distref.data.mnist import idx_dataset, prepare_fashion_mnist, prepare_mnist
 from distref.data.tensors import IGNORE_INDEX, DataError, DatasetInfo, TensorData
 
@@ -118,6 +119,118 @@ def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["seq
     return make(n_train), make(n_test), DatasetInfo("synthetic", SEPARATOR + 1, (2 * length,), "sequence")
 
 
+def own_dataset(spec: str) -> tuple[TensorData, TensorData, DatasetInfo]:
+    """Your data: the function MODULE:FUNCTION, called without arguments, returns (train, test), each a
+    map-style dataset (len() and [i]; a torch TensorDataset, a torchvision dataset, your own class) of
+    (input, target) pairs: inputs of one shape, targets class indices (integers; IGNORE_INDEX, -100, is
+    not scored). Both are read into memory once, as tensors: every impl then reads the same samples in the
+    same order (distref.data.order), which parity needs. Float inputs are "image"-like (any shape), integer
+    ones token sequences; the classes are those the targets hold (the largest + 1). Loaded once per
+    process (the launcher checks it before any rank exists, and reuses it when it is itself the run).
+    Raises DataError (one line) where the contract does not hold."""
+    try:
+        factory = load_factory(spec, "--dataset")
+    except FactoryError as exc:
+        raise DataError(str(exc)) from None
+    if factory not in _OWN_DATASETS:  # (by the function itself: a module imported again is read again)
+        _OWN_DATASETS[factory] = _load_own_dataset(spec, factory)
+    return _OWN_DATASETS[factory]
+
+
+_OWN_DATASETS: dict[Callable, tuple[TensorData, TensorData, DatasetInfo]] = {}
+
+
+def _load_own_dataset(spec: str, factory: Callable) -> tuple[TensorData, TensorData, DatasetInfo]:
+    function = spec.partition(":")[2]
+    try:
+        made = factory()
+    except Exception as exc:  # (your code: whatever it raises is said in one line)
+        raise DataError(f"--dataset {spec}: {function}() failed: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(made, tuple | list) and len(made) == 2):
+        raise DataError(
+            f"--dataset {spec}: {function}() must return (train, test) datasets, not {type(made).__name__}"
+        )
+    train, test = (
+        as_tensors(part, f"--dataset {spec}: its {which} set")
+        for part, which in zip(made, ("training", "test"), strict=True)
+    )
+    if train.x.shape[1:] != test.x.shape[1:] or train.x.dtype != test.x.dtype:
+        raise DataError(
+            f"--dataset {spec}: training inputs are {tuple(train.x.shape[1:])} {train.x.dtype}, test inputs "
+            f"{tuple(test.x.shape[1:])} {test.x.dtype}: they must match"
+        )
+    scored = torch.cat([train.y.flatten(), test.y.flatten()])
+    scored = scored[scored != IGNORE_INDEX]
+    if len(scored) == 0 or scored.min() < 0:
+        raise DataError(
+            f"--dataset {spec}: targets must be class indices >= 0 (or {IGNORE_INDEX}, not scored)"
+        )
+    kind = "image" if train.x.is_floating_point() else "sequence"
+    return train, test, DatasetInfo(spec, int(scored.max()) + 1, tuple(train.x.shape[1:]), kind)
+
+
+def as_tensors(dataset, what: str) -> TensorData:
+    """A map-style dataset of (input, target) pairs as TensorData: inputs stacked into one tensor,
+    targets into one integer tensor."""
+    if isinstance(dataset, TensorData):
+        return dataset
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise DataError(
+            f"{what} is a {type(dataset).__name__}: a map-style dataset (len() and [i]) is needed"
+        ) from None
+    if n == 0:
+        raise DataError(f"{what} is empty")
+    inputs, targets = [], []
+    for i in range(n):
+        item = dataset[i]
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise DataError(f"{what}: item {i} is not an (input, target) pair but a {type(item).__name__}")
+        inputs.append(torch.as_tensor(item[0]))
+        targets.append(torch.as_tensor(item[1]))
+    shapes = {tuple(t.shape) for t in inputs}
+    if len(shapes) > 1:
+        raise DataError(
+            f"{what}: inputs of several shapes ({', '.join(map(str, sorted(shapes)[:3]))}): one is needed"
+        )
+    y = torch.stack(targets)
+    if y.is_floating_point() or y.dtype == torch.bool:
+        raise DataError(
+            f"{what}: targets are {y.dtype}; the loss (cross-entropy) needs class indices (integers)"
+        )
+    x = torch.stack(inputs)
+    return TensorData(x.float() if x.is_floating_point() else x, y.long())
+
+
+# What one sample of each named dataset is (known without loading it), for checking your model on it
+# (`sample_batch`); synthetic: the images it makes for any model but gpt and resnet18.
+NAMED_DATASET_SAMPLES = {
+    "mnist": DatasetInfo("mnist", 10, (1, 28, 28), "image"),
+    "fashion-mnist": DatasetInfo("fashion-mnist", 10, (1, 28, 28), "image"),
+    "digits": DatasetInfo("digits", 10, (1, 28, 28), "image"),
+    "cifar10": DatasetInfo("cifar10", 10, (3, 32, 32), "image"),
+    "synthetic": DatasetInfo("synthetic", 10, (1, 28, 28), "image"),
+}
+
+
+def sample_batch(cfg: RunConfig, n: int = 4) -> tuple[torch.Tensor, torch.Tensor, DatasetInfo]:
+    """(inputs, targets, info) of `n` samples like the run's data, for checking a model of your own
+    before any rank starts: your dataset's first samples; a named dataset's shapes with random values
+    (from a generator of its own: the run's random state is untouched), without loading it."""
+    if is_factory(cfg.dataset):
+        train, _, info = own_dataset(cfg.dataset)
+        return train.x[:n], train.y[:n], info
+    g = torch.Generator().manual_seed(0)
+    if cfg.dataset == "text":
+        vocab = len(set(read_text(Path(cfg.data_root))))
+        tokens = torch.randint(0, vocab, (n, 65), generator=g)
+        return tokens[:, :-1], tokens[:, 1:], DatasetInfo("text", vocab, (64,), "sequence")
+    info = NAMED_DATASET_SAMPLES[cfg.dataset]
+    x = torch.randn(n, *info.input_shape, generator=g)
+    return x, torch.randint(0, info.num_classes, (n,), generator=g), info
+
+
 def text_train_size(n_characters: int, block_size: int = 64) -> int:
     """Training sequences a text of `n_characters` makes: whole blocks, the first 90% of them."""
     return int(0.9 * ((n_characters - 1) // block_size))
@@ -126,6 +239,8 @@ def text_train_size(n_characters: int, block_size: int = 64) -> int:
 def train_set_size(cfg: RunConfig) -> int:
     """Samples in the run's training set, known without loading it (the text file is read, not
     tokenised): the config checks the global batch against it before any process starts."""
+    if is_factory(cfg.dataset):
+        return len(own_dataset(cfg.dataset)[0])
     if cfg.dataset == "synthetic":
         return SYNTHETIC_TRAIN_SIZES["sequence" if cfg.model == "gpt" else "image"]
     if cfg.dataset == "text":
@@ -185,6 +300,8 @@ def load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
 
 def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
     root = Path(cfg.data_root)
+    if is_factory(cfg.dataset):
+        return own_dataset(cfg.dataset)
     if cfg.dataset == "mnist":
         return idx_dataset(prepare_mnist(root), "mnist")
     if cfg.dataset == "fashion-mnist":
@@ -198,7 +315,7 @@ def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
     if cfg.dataset == "synthetic":
         if cfg.model == "gpt":
             return synthetic_reverse()
-        if cfg.model == "lenet":
+        if cfg.model == "lenet" or is_factory(cfg.model):  # (a model of yours: lenet's images)
             return synthetic_images((1, 28, 28))
         # resnet18's images: 512 to score, not 2048 (scoring 2048 took 20 s of a 24-second 3-step run here)
         return synthetic_images((3, 32, 32), n_test=512)

@@ -168,7 +168,7 @@ def prepare_mnist(root: Path) -> Path:
 def _try_mnist_download(root: Path) -> bool:
     try:
         from torchvision.datasets import MNIST  # only to download: reading needs no torchvision
-    except ImportError:  # e.g. an exported project, which does not depend on torchvision
+    except Exception:  # none (an exported project), or one that fails to import (a CUDA build on CPU torch)
         return False
     return _try_torchvision_download(MNIST, root)
 
@@ -192,8 +192,10 @@ def prepare_fashion_mnist(root: Path) -> Path:
 
 
 def _try_fashion_mnist_download(root: Path) -> bool:
-    from torchvision.datasets import FashionMNIST
-
+    try:
+        from torchvision.datasets import FashionMNIST
+    except Exception:  # (as for MNIST)
+        return False
     return _try_torchvision_download(FashionMNIST, root)
 
 

@@ -3,17 +3,22 @@
 A partition is given by cut points: `--partition 1,3` on a 4-block model means parts [0, 1), [1, 3) and
 [3, 4) — block indices, so every part is whole blocks and keeps the core model's parameter names.
 Without `--partition`, the cut is the one that balances parameter counts best (the largest part as small
-as possible), which for these small models is found by trying every cut.
+as possible) among those that give every part parameters. The cuts are computed from the model built:
+this project's, or a model of your own (--model MODULE:FUNCTION), checked to be a sequence of blocks.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 
 import torch
+from torch import nn
 
-from distref.data.tensors import DatasetInfo
-from distref.models import build_model
+from distref.config import FactoryError, RunConfig, is_factory
+from distref.data import DataError, DatasetInfo, sample_batch
+from distref.models import block_sequence_problem, build_model
 
 # A representative dataset per model: the block structure does not depend on the data's size.
 MODEL_DATASETS = {
@@ -23,11 +28,32 @@ MODEL_DATASETS = {
 }
 
 
-def block_sizes(model_name: str, gpt_layers: int = 2) -> dict[str, int]:
-    """{block name: parameter count}, in order, without data or memory (built on the meta device)."""
-    with torch.device("meta"):
-        model = build_model(model_name, MODEL_DATASETS[model_name], gpt_layers)
+def block_sizes(model: nn.Module) -> dict[str, int]:
+    """{block name: parameter count}, in order, of a built model (its children)."""
     return {name: sum(p.numel() for p in block.parameters()) for name, block in model.named_children()}
+
+
+def named_block_sizes(model_name: str, gpt_layers: int = 2) -> dict[str, int]:
+    """block_sizes of one of this project's models, without data or memory (built on the meta device)."""
+    with torch.device("meta"):
+        return block_sizes(build_model(model_name, MODEL_DATASETS[model_name], gpt_layers))
+
+
+def cut_problem(cfg: RunConfig, text: str | None, parts: int) -> str | None:
+    """Why the run's model cannot be cut into `parts` parts (`text`: --partition), or None; checked before
+    any rank starts. A model of your own (MODULE:FUNCTION) is built and tried on a sample batch of the
+    run's data: it must be an ordered sequence of blocks (distref.models.block_sequence_problem), and
+    the cut must give every part parameters."""
+    if not is_factory(cfg.model):
+        return choose_cut_points(named_block_sizes(cfg.model, cfg.gpt_layers), text, parts, cfg.model)[1]
+    try:
+        x, _, info = sample_batch(cfg)
+        model = build_model(cfg.model, info)
+    except (DataError, FactoryError) as exc:
+        return str(exc)
+    if problem := block_sequence_problem(model, x):
+        return f"--model {cfg.model} cannot be cut between ranks: {problem}"
+    return choose_cut_points(block_sizes(model), text, parts, cfg.model)[1]
 
 
 def parse_cut_points(text: str, n_blocks: int, parts: int) -> tuple[list[int] | None, str | None]:
@@ -43,15 +69,39 @@ def parse_cut_points(text: str, n_blocks: int, parts: int) -> tuple[list[int] | 
     return cuts, None
 
 
-def balanced_cut_points(sizes: list[int], parts: int) -> list[int]:
-    """The cut points that minimise the largest part's parameter count (ties: the earliest cuts)."""
-    best, best_cuts = None, None
-    for cuts in itertools.combinations(range(1, len(sizes)), parts - 1):
-        bounds = [0, *cuts, len(sizes)]
-        largest = max(sum(sizes[a:b]) for a, b in itertools.pairwise(bounds))
-        if best is None or largest < best:
-            best, best_cuts = largest, list(cuts)
-    return best_cuts
+def balanced_cut_points(sizes: list[int], parts: int) -> list[int] | None:
+    """The cut points that minimise the largest part's parameter count, among those that give every part
+    parameters (None if there are none); of several such, the earliest cuts. Dynamic programming over
+    (first block, parts left): fast for models of hundreds of blocks."""
+    n = len(sizes)
+    prefix = [0, *itertools.accumulate(sizes)]
+
+    @functools.cache
+    def smallest_largest(first: int, k: int) -> float:
+        """The smallest largest part over the cuts of blocks[first:] into k parts with parameters."""
+        if k == 1:
+            return prefix[n] - prefix[first] or math.inf
+        return min(
+            (
+                max(prefix[end] - prefix[first], smallest_largest(end, k - 1))
+                for end in range(first + 1, n - k + 2)
+                if prefix[end] > prefix[first]
+            ),
+            default=math.inf,
+        )
+
+    limit = smallest_largest(0, parts)
+    if limit == math.inf:
+        return None
+    cuts, first = [], 0
+    for k in range(parts, 1, -1):  # each cut as early as still leaves a cut of the rest within the limit
+        first = next(
+            end
+            for end in range(first + 1, n - k + 2)
+            if 0 < prefix[end] - prefix[first] <= limit and smallest_largest(end, k - 1) <= limit
+        )
+        cuts.append(first)
+    return cuts
 
 
 def part_bounds(cuts: list[int], n_blocks: int) -> list[tuple[int, int]]:
@@ -60,14 +110,31 @@ def part_bounds(cuts: list[int], n_blocks: int) -> list[tuple[int, int]]:
 
 
 def choose_cut_points(
-    model_name: str, text: str | None, parts: int, gpt_layers: int = 2
+    sizes: dict[str, int], text: str | None, parts: int, model_name: str = "the model"
 ) -> tuple[list[int] | None, str | None]:
-    """The cut points for `parts` parts of `model_name`: `--partition` if given, else balanced; or
-    (None, a one-line reason) when the model cannot be cut so."""
-    sizes = list(block_sizes(model_name, gpt_layers).values())
-    if parts > len(sizes):
+    """The cut points for `parts` parts of a model whose blocks have `sizes` parameters (`block_sizes`):
+    `--partition` if given, else balanced; or (None, a one-line reason) when it cannot be cut so. Every
+    part must hold parameters (a rank's optimizer has nothing to step otherwise)."""
+    names, counts = list(sizes), list(sizes.values())
+    if parts > len(counts):
         hint = f" (gpt has --gpt-layers + 2: use --gpt-layers {parts - 2})" if model_name == "gpt" else ""
-        return None, f"{parts} parts but --model {model_name} has only {len(sizes)} blocks{hint}"
+        return None, f"{parts} parts but --model {model_name} has only {len(counts)} blocks{hint}"
     if text is not None:
-        return parse_cut_points(text, len(sizes), parts)
-    return balanced_cut_points(sizes, parts), None
+        cuts, problem = parse_cut_points(text, len(counts), parts)
+    else:
+        cuts = balanced_cut_points(counts, parts)
+        problem = (
+            None
+            if cuts is not None
+            else (
+                f"--model {model_name} cannot be cut into {parts} parts that each hold parameters "
+                f"(blocks and their parameters: {', '.join(f'{n} {c}' for n, c in sizes.items())})"
+            )
+        )
+    if problem:
+        return None, problem
+    for a, b in part_bounds(cuts, len(counts)):
+        if not sum(counts[a:b]):
+            empty = ",".join(names[a:b])
+            return None, f"--partition {text}: part {empty} holds no parameters; every rank needs some"
+    return cuts, None

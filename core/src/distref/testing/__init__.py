@@ -47,6 +47,7 @@ from distref.testing.workloads import (
     mnist_convergence_args,
     parity_args,
     score_saved_model,
+    skip_where_torchvision_cannot_serve,
     tampered_mnist,
 )
 
@@ -88,6 +89,7 @@ __all__ = [
     "run_script",
     "score_saved_model",
     "self_launched",
+    "skip_where_torchvision_cannot_serve",
     "start_and_kill_rank1",
     "tampered_mnist",
     "torchrun",

@@ -4,11 +4,15 @@ and target, and the helpers that check a record or a saved model.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from distref.cli import torchvision_problem
 from distref.testing.runs import DATA_ROOT
 
 PARITY_TOLERANCE = 1e-5  # max relative difference per tensor, fp32, after PARITY_STEPS steps
@@ -58,6 +62,26 @@ def batchnorm_args(steps: int) -> list[str]:
         *("--model", "resnet18", "--dataset", "digits", "--optimizer", "sgd", "--lr", "0.05"),
         *("--steps", str(steps), "--global-batch-size", "16"),
     ]
+
+
+# What a run needs torchvision for: its model (resnet18) and its loader (CIFAR-10). MNIST needs none.
+NEEDS_TORCHVISION = {("--model", "resnet18"), ("--dataset", "cifar10")}
+
+
+@functools.cache
+def _torchvision_problem() -> str | None:
+    return torchvision_problem()  # (once per process: a failing import is retried, and costs, each time)
+
+
+def skip_where_torchvision_cannot_serve(args: Sequence[str]) -> None:
+    """Skip the running test when `args` need torchvision (NEEDS_TORCHVISION) and it does not import here:
+    not installed (an exported project does not depend on it), or a build that fails at import (PyPI's
+    torchvision for a CPU torch is a CUDA one: `operator torchvision::nms does not exist`)."""
+    import pytest  # (the test helpers import without it: an export's runs import this package)
+
+    needs = NEEDS_TORCHVISION & set(itertools.pairwise(args))
+    if needs and (why := _torchvision_problem()):
+        pytest.skip(f"{' '.join(sorted(needs)[0])} needs torchvision, and {why}")
 
 
 def mnist_convergence_args(data_root: Path) -> list[str]:

@@ -1,0 +1,82 @@
+"""The parity proof on your model and data (--model/--dataset MODULE:FUNCTION) instead of this project's.
+
+Every impl's tests check its strategy on this project's models (lenet, gpt, resnet18): their parameter
+names, shapes and accuracy targets are those models'. `test_parity_with_single_on_your_model`, in each
+impl's tests, runs the same proof on yours, when named:
+
+    DISTREF_TEST_MODEL=my_project:mlp DISTREF_TEST_DATASET=my_project:data python -m pytest -k your_model
+
+(from the folder MODULE is imported from: the project's). Without them it proves the same on the small
+model and dataset below (`example_mlp`, `example_data`), given the same way, as MODULE:FUNCTION. The
+proof: a few SGD steps of the impl and of single (the baseline), same seed, same data, same global
+batch, end with the same parameters within PARITY_TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from distref.parity_metric import max_relative_difference
+from distref.testing.runs import load_train_module
+from distref.testing.workloads import PARITY_TOLERANCE
+
+MODEL_VARIABLE, DATASET_VARIABLE = "DISTREF_TEST_MODEL", "DISTREF_TEST_DATASET"
+
+
+def example_mlp() -> nn.Module:
+    """A model as you would write one: an nn.Sequential of named blocks (so that model_parallel and
+    pipeline can cut it, and activation checkpointing recompute it block by block), with the plan
+    tensor_parallel splits it by."""
+    model = nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(16, 64),
+            act1=nn.ReLU(),
+            fc2=nn.Linear(64, 32),
+            act2=nn.Tanh(),
+            out=nn.Linear(32, 4),
+        )
+    )
+    model.tp_plan = {"fc1": "colwise", "fc2": "rowwise"}  # (Megatron's MLP: split rows, then columns)
+    return model
+
+
+def example_data() -> tuple[TensorDataset, TensorDataset]:
+    """A dataset as you would give one: (train, test) torch TensorDatasets of (features, class) pairs."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 16, generator=g)
+    y = (x[:, :4] + 0.5 * x[:, 4:8]).argmax(dim=1)  # 4 classes, learnable
+    return TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
+
+
+EXAMPLE_MODEL, EXAMPLE_DATASET = f"{__name__}:example_mlp", f"{__name__}:example_data"
+
+
+def your_parity_args(steps: int = 10, global_batch_size: int = 32) -> list[str]:
+    """The parity workload on your model and dataset (the example's where none is named): SGD, which
+    keeps two correct runs within rounding of each other (AdamW would not: docs/parity.md)."""
+    model = os.environ.get(MODEL_VARIABLE, EXAMPLE_MODEL)
+    dataset = os.environ.get(DATASET_VARIABLE, EXAMPLE_DATASET if model == EXAMPLE_MODEL else "synthetic")
+    return [
+        *("--model", model, "--dataset", dataset, "--optimizer", "sgd", "--lr", "0.05"),
+        *("--steps", str(steps), "--global-batch-size", str(global_batch_size)),
+    ]
+
+
+def check_parity_on_your_model(run_impl: Callable[[list[str]], object], tmp_path: Path) -> float:
+    """Run the impl (`run_impl(args)`, which must succeed) and single, in this process, on your model and
+    data; assert their final parameters agree within PARITY_TOLERANCE; return the difference."""
+    args = your_parity_args()
+    run_impl([*args, "--save-final", str(tmp_path / "impl.pt")])
+    load_train_module("single").main([*args, "--save-final", str(tmp_path / "single.pt")])
+    impl, single = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("impl", "single"))
+    assert impl.keys() == single.keys(), f"parameter names differ: {sorted(impl.keys() ^ single.keys())}"
+    difference = max_relative_difference(impl, single)
+    assert difference < PARITY_TOLERANCE, f"{args}: max relative difference {difference:.2e} from single"
+    return difference

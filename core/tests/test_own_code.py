@@ -1,0 +1,292 @@
+"""Your own model and data: `--model MODULE:FUNCTION` and `--dataset MODULE:FUNCTION` in every impl.
+
+Each function is checked before any rank starts and refused in one line where its contract does not
+hold; what holds trains, in every impl, as single does (the impls' `test_parity_with_single_on_your_model`
+proves that on distref.testing.own's example; here, a module written by the test in the folder a run
+starts from).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from distref.data import own_dataset
+from distref.models import BlockModel, build_model
+from distref.testing import count_block_calls, load_train_module, run_ranks, run_script, train_path
+
+MINE = textwrap.dedent('''
+    """A project's own models and datasets, as a user writes them."""
+    from collections import OrderedDict
+
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset, TensorDataset
+
+
+    def mlp():
+        return nn.Sequential(OrderedDict(fc1=nn.Linear(16, 32), act=nn.ReLU(), fc2=nn.Linear(32, 4)))
+
+
+    class Dropped(nn.Module):
+        """Blocks fc1, fc2, and a ReLU in forward: cut between fc1 and fc2, the ReLU would be lost."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+    def dropped():
+        return Dropped()
+
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(x + torch.relu(self.fc1(x)))
+
+
+    def residual():
+        return Residual()
+
+
+    def starts_without_parameters():
+        return nn.Sequential(OrderedDict(scale=nn.Tanh(), fc1=nn.Linear(16, 8), fc2=nn.Linear(8, 4)))
+
+
+    def softmax_between():
+        """A plan that names linear layers but splits what is not element-wise: softmax over a slice."""
+        model = nn.Sequential(OrderedDict(fc1=nn.Linear(16, 32), soft=nn.Softmax(-1), fc2=nn.Linear(32, 4)))
+        model.tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
+        return model
+
+
+    def wrong_input():
+        return nn.Sequential(nn.Linear(10, 4))
+
+
+    def not_a_module():
+        return 3
+
+
+    def raises():
+        raise ValueError("boom")
+
+
+    def without_plan_pieces():
+        model = mlp()
+        model.tp_plan = {"act": "colwise"}
+        return model
+
+
+    def _tensors(n=256):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 16, generator=g)
+        return x, x[:, :4].argmax(dim=1)
+
+
+    def data():
+        x, y = _tensors()
+        return TensorDataset(x[:192], y[:192]), TensorDataset(x[192:], y[192:])
+
+
+    class Pairs(Dataset):
+        """Any map-style dataset: numpy features, int labels."""
+
+        def __init__(self, x, y):
+            self.x, self.y = x.numpy(), y.tolist()
+
+        def __len__(self):
+            return len(self.y)
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+
+    def own_class():
+        x, y = _tensors()
+        return Pairs(x[:192], y[:192]), Pairs(x[192:], y[192:])
+
+
+    def float_targets():
+        x, y = _tensors()
+        return TensorDataset(x, y.float()), TensorDataset(x, y.float())
+
+
+    def one_set():
+        return data()[0]
+
+
+    def ragged():
+        return [(torch.zeros(16), 0), (torch.zeros(15), 1)], [(torch.zeros(16), 0)]
+''')
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A folder holding mine.py, the current folder (a run imports MODULE from where it starts)."""
+    (tmp_path / "mine.py").write_text(MINE)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("mine", None)
+
+
+ON_MINE = ["--dataset", "mine:data"]
+
+
+@pytest.mark.parametrize(
+    ("impl", "args", "said"),
+    [
+        (
+            "single",
+            ["--model", "mlp"],
+            "--model: 'mlp': choose from lenet, resnet18, gpt, or give MODULE:FUNCTION",
+        ),
+        ("single", ["--model", "mine:nothere", *ON_MINE], "mine ("),  # ... has no function nothere
+        ("single", ["--model", "nomodule:mlp", *ON_MINE], "--model nomodule:mlp: cannot import nomodule"),
+        (
+            "single",
+            ["--model", "mine:raises", *ON_MINE],
+            "--model mine:raises: raises() failed: ValueError: boom",
+        ),
+        ("ddp", ["--model", "mine:not_a_module", *ON_MINE], "returned a int, not a torch.nn.Module"),
+        ("single", ["--model", "mine:wrong_input", *ON_MINE], "a batch of inputs (4, 16) torch.float32"),
+        ("single", ["--model", "lenet", *ON_MINE], "lenet takes 1×28×28 images, mine:data has (16,)"),
+        (
+            "fsdp",
+            ["--model", "mine:residual", *ON_MINE, "--activation-checkpointing"],
+            "--activation-checkpointing recomputes the blocks of an nn.Sequential; mine:residual returns a "
+            "Residual",
+        ),
+        (
+            "pipeline",
+            ["--model", "mine:dropped", *ON_MINE],
+            "its forward is not its blocks (fc1, fc2) applied",
+        ),
+        ("model_parallel", ["--model", "mine:dropped", *ON_MINE], "cannot be cut between ranks"),
+        (
+            "pipeline",
+            ["--model", "mine:starts_without_parameters", *ON_MINE, "--partition", "1"],
+            "--partition 1: part scale holds no parameters; every rank needs some",
+        ),
+        ("tensor_parallel", ["--model", "mine:mlp", *ON_MINE], "a `tp_plan` attribute"),
+        (
+            "tensor_parallel",
+            ["--model", "mine:without_plan_pieces", *ON_MINE],
+            "'act', which is not a linear",
+        ),
+        ("single", ["--model", "mine:mlp", "--dataset", "mine:float_targets"], "targets are torch.float32"),
+        (
+            "single",
+            ["--model", "mine:mlp", "--dataset", "mine:one_set"],
+            "must return (train, test) datasets",
+        ),
+        ("single", ["--model", "mine:mlp", "--dataset", "mine:ragged"], "inputs of several shapes"),
+        ("single", ["--model", "mine:mlp", "--dataset", "mine:nothere"], "--dataset mine:nothere: mine ("),
+    ],
+)
+def test_a_broken_contract_is_one_line_before_any_rank(impl, args, said, project, capsys):
+    """Each refused in one line, exit 2, by the parse every impl runs before it starts ranks."""
+    with pytest.raises(SystemExit) as exited:
+        load_train_module(impl).parse_options(args, 2 if impl != "single" else 1)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
+
+
+def test_your_model_and_data_train_from_the_folder_you_run_in(project):
+    """single, run from the project's folder: the functions are imported from there; any map-style
+    dataset of (input, target) pairs is read into tensors; MNIST (the default dataset) is not prepared;
+    the record names the functions, and the model trained."""
+    data_root = project / "data"
+    out = project / "run"
+    args = ["--model", "mine:mlp", "--dataset", "mine:own_class", "--data-root", str(data_root)]
+    record = load_train_module("single").main(
+        [*args, "--steps", "60", "--optimizer", "sgd", "--lr", "0.1", "--out", str(out)]
+    )
+    assert record["status"] == "completed"
+    assert (record["config"]["model"], record["config"]["dataset"]) == ("mine:mlp", "mine:own_class")
+    assert json.loads((out / "record.json").read_text())["config"]["model"] == "mine:mlp"
+    assert record["final_accuracy"] > 0.8  # (4 classes: chance is 0.25)
+    assert not data_root.exists()  # nothing prepared for a dataset the run does not use
+
+
+def test_ranks_import_your_functions_and_the_cut_is_of_your_model(project):
+    """pipeline started as a user starts it (`python train.py`, torchrun's ranks in the same folder):
+    each rank imports mine.py; the stages are cut from the model built (3 blocks, not lenet's 4)."""
+    result = run_script(
+        [sys.executable, str(train_path("pipeline")), "--model", "mine:mlp", *ON_MINE, "--steps", "4"],
+        cwd=project,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "cut at [1] (balancing parameter counts): fc1 | act,fc2" in result.stdout
+
+
+def test_your_dataset_as_tensors_and_info(project):
+    train, test, info = own_dataset("mine:own_class")
+    assert train.x.dtype == torch.float32 and train.x.shape == (192, 16) and test.y.dtype == torch.long
+    assert (info.name, info.num_classes, info.input_shape, info.kind) == ("mine:own_class", 4, (16,), "image")
+    x, y = sys.modules["mine"]._tensors()
+    assert torch.equal(train.x, x[:192]) and torch.equal(test.y, y[192:])  # the pairs, in order
+
+
+def test_activation_checkpointing_recomputes_the_blocks_of_your_sequential(project):
+    """An nn.Sequential of yours becomes a BlockModel of the same blocks (same parameter names): with
+    activation checkpointing each block runs again in backward, and the gradients are the same."""
+    torch.manual_seed(0)
+    model = build_model("mine:mlp", None)
+    assert isinstance(model, BlockModel) and list(model.state_dict()) == [
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+    ]
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    calls = count_block_calls(model)
+    model.activation_checkpointing = True
+    model(x).sum().backward()
+    assert calls == {"fc1": 2, "act": 2, "fc2": 2}  # forward, then again in backward
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters(), strict=True))
+
+
+def test_the_balanced_cut_gives_every_part_parameters():
+    """Parameter-less blocks (activations) are never a part alone: the balanced cut skips such cuts, and
+    says when there is none."""
+    from distref.distributed.partition import choose_cut_points
+
+    sizes = {"act0": 0, "fc1": 5, "fc2": 5, "act2": 0}
+    assert choose_cut_points(sizes, None, 2) == ([2], None)  # act0,fc1 | fc2,act2
+    assert choose_cut_points(sizes, None, 3)[1] == (
+        "--model the model cannot be cut into 3 parts that each hold parameters (blocks and their "
+        "parameters: act0 0, fc1 5, fc2 5, act2 0)"
+    )
+
+
+def test_a_tp_plan_that_does_not_compute_the_model_is_refused_by_the_ranks(project):
+    """Names and sizes right, the split wrong (a softmax over each rank's slice): the ranks find that
+    the split model does not compute the whole one, and rank 0 says so in one line."""
+    args = ["--model", "mine:softmax_between", *ON_MINE, "--steps", "2"]
+    result = run_ranks(2, str(train_path("tensor_parallel")), args, timeout=120, cwd=project)
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert said == [
+        "tensor_parallel/train.py: error: --model mine:softmax_between: split by its tp_plan {'fc1': "
+        "'colwise', 'fc2': 'rowwise'} it does not compute its forward (a colwise layer's sliced output "
+        "must reach a rowwise layer through element-wise operations only)"
+    ], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
