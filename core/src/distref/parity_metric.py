@@ -21,7 +21,9 @@ def max_relative_difference(a: dict, b: dict) -> float:
     import torch
 
     if a.keys() != b.keys():
-        raise ValueError(f"different state_dict keys: {sorted(set(a) ^ set(b))}")
+        raise ValueError(  # two different models: a test of this project's models run on another?
+            f"different state_dict keys (not the same model): {sorted(set(a) ^ set(b))}"
+        )
     worst = 0.0
     for key in b:
         if not b[key].is_floating_point():

@@ -1,4 +1,8 @@
-"""impls/single: convergence on real data, and the features every impl shares."""
+"""impls/single: convergence on real data, and the features every impl shares.
+
+On this project's models (lenet, gpt, resnet18: their parameter names, shapes and accuracy targets);
+with yours, single is the baseline that the other impls' test_parity_with_single_on_your_model compare
+with (distref.testing.own)."""
 
 import pytest
 import torch
