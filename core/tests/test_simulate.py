@@ -107,6 +107,10 @@ def test_fsdp_rank_holds_its_rows_of_a_7b_model_at_512_ranks():
 def test_tensor_parallel_1d(world_size, shape, rank, options):
     run = check("tensor_parallel", world_size, shape, rank, options)
     assert run.facts["mesh"] == {"dp_shard": 1, "tp": world_size}
+    # sequence parallelism (gpt's default: on) gathers and scatters along the sequence; without it, the
+    # layers' outputs are all-reduced
+    sequence_parallel = "--no-sequence-parallel" not in options
+    assert ("reduce_scatter" in run.communication) == sequence_parallel, run.communication.keys()
 
 
 @pytest.mark.parametrize(

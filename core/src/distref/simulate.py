@@ -361,6 +361,8 @@ def simulate(
         device="cpu",
         strategy=own,
     )
+    if hasattr(module, "resolved"):  # defaults that depend on the model (tensor_parallel: gpt's are on)
+        cfg = module.resolved(cfg)
     if problem := check(impl, module, cfg, shape, world_size, rank):
         raise ValueError(f"{impl} at {world_size} ranks: {problem}")
     tensors = tensors or TENSORS[impl]
