@@ -81,7 +81,26 @@ MINE = textwrap.dedent('''
 
 
     def raises():
-        raise ValueError("boom")
+        raise ValueError("boom\\nand a second line")
+
+
+    def tied_weights():
+        model = nn.Sequential(
+            OrderedDict(a=nn.Linear(16, 16), act=nn.ReLU(), b=nn.Linear(16, 16), out=nn.Linear(16, 4))
+        )
+        model.b.weight = model.a.weight
+        return model
+
+
+    def shared_relu():
+        act = nn.ReLU()  # one module, used twice
+        return nn.Sequential(nn.Linear(16, 32), act, nn.Linear(32, 32), act, nn.Linear(32, 4))
+
+
+    def rowwise_first():
+        model = mlp()
+        model.tp_plan = {"fc1": "rowwise"}
+        return model
 
 
     def without_plan_pieces():
@@ -126,6 +145,38 @@ MINE = textwrap.dedent('''
 
     def one_set():
         return data()[0]
+
+
+    def numpy_shuffled():
+        """Shuffled by numpy's global random numbers: the same in every process only because they are
+        seeded when the function is called."""
+        x, y = _tensors()
+        order = torch.as_tensor(np.random.permutation(len(x)))
+        return TensorDataset(x[order][:192], y[order][:192]), TensorDataset(x[order][192:], y[order][192:])
+
+
+    def other_in_each_process():
+        import os
+
+        g = torch.Generator().manual_seed(os.getpid())
+        x = torch.randn(256, 16, generator=g)
+        return TensorDataset(x, x[:, :4].argmax(dim=1)), TensorDataset(x, x[:, :4].argmax(dim=1))
+
+
+    def class_10():
+        x, y = _tensors()
+        y[100] = 10  # a fifth class, deep in the set, for a model of 4 logits
+        return TensorDataset(x, y), TensorDataset(x, y)
+
+
+    def nan_input():
+        x, y = _tensors()
+        x[200, 3] = float("nan")
+        return TensorDataset(x, y), TensorDataset(x, y)
+
+
+    def words():
+        return [("a sentence", 0)] * 8, [("another", 1)] * 8
 
 
     def ragged():
@@ -188,6 +239,32 @@ ON_MINE = ["--dataset", "mine:data"]
         ),
         ("single", ["--model", "mine:mlp", "--dataset", "mine:float_targets"], "targets are torch.float32"),
         (
+            "pipeline",
+            ["--model", "mine:tied_weights", *ON_MINE],
+            "a.weight and b.weight are one parameter, in two blocks (a, b); keep tied parameters in one block",
+        ),
+        ("fsdp", ["--model", "mine:tied_weights", *ON_MINE], "fsdp shards each block on its own"),
+        (
+            "tensor_parallel",
+            ["--model", "mine:rowwise_first", *ON_MINE],
+            "fc1 is rowwise, but its input is whole",
+        ),
+        (
+            "single",
+            ["--model", "mine:mlp", "--dataset", "mine:class_10"],
+            "the targets go up to 10, but the model gives 4 logits",
+        ),
+        (
+            "single",
+            ["--model", "mine:mlp", "--dataset", "mine:nan_input"],
+            "item 200's input holds nan or inf",
+        ),
+        (
+            "single",
+            ["--model", "mine:mlp", "--dataset", "mine:words"],
+            "item 0's input, a str, is not a tensor",
+        ),
+        (
             "single",
             ["--model", "mine:mlp", "--dataset", "mine:one_set"],
             "must return (train, test) datasets",
@@ -224,14 +301,36 @@ def test_your_model_and_data_train_from_the_folder_you_run_in(project):
 
 def test_ranks_import_your_functions_and_the_cut_is_of_your_model(project):
     """pipeline started as a user starts it (`python train.py`, torchrun's ranks in the same folder):
-    each rank imports mine.py; the stages are cut from the model built (3 blocks, not lenet's 4)."""
-    result = run_script(
-        [sys.executable, str(train_path("pipeline")), "--model", "mine:mlp", *ON_MINE, "--steps", "4"],
-        cwd=project,
-        timeout=120,
-    )
+    each rank imports mine.py and reads the same data (shuffled by numpy's random numbers, seeded for
+    the call); the stages are cut from the model built (3 blocks, not lenet's 4)."""
+    args = ["--model", "mine:mlp", "--dataset", "mine:numpy_shuffled", "--steps", "4"]
+    result = run_script([sys.executable, str(train_path("pipeline")), *args], cwd=project, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "cut at [1] (balancing parameter counts): fc1 | act,fc2" in result.stdout
+
+
+def test_a_rank_that_reads_other_data_than_the_launcher_says_so(project):
+    """A dataset function that returns other samples in each process would train each rank on other
+    data without a word: each rank checks its data's sha256 against the launcher's."""
+    args = ["--model", "mine:mlp", "--dataset", "mine:other_in_each_process", "--steps", "2"]
+    result = run_script([sys.executable, str(train_path("ddp")), *args], cwd=project, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert said and all("read other data than the launcher did" in line for line in said), said
+    assert "Traceback" not in result.stderr
+
+
+def test_a_module_used_twice_is_applied_twice(project):
+    """One nn.ReLU() in two places of an nn.Sequential: both applied (named_children() lists it once),
+    as the model you wrote computes; cut between ranks, each place is a block of its own."""
+    torch.manual_seed(0)
+    ours = build_model("mine:shared_relu", None)
+    theirs = sys.modules["mine"].shared_relu()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(8, 16)
+    assert torch.equal(ours(x), theirs(x))
+    assert [name for name, _ in ours.named_children()] == ["0", "1", "2", "3", "4"]
+    load_train_module("pipeline").parse_options(["--model", "mine:shared_relu", *ON_MINE], 2)  # accepted
 
 
 def test_your_dataset_as_tensors_and_info(project):

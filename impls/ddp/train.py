@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
-        with exit_on_bad_input(IMPL):  # a checkpoint of another run: one line, exit 2
+        with exit_on_bad_input(IMPL, say=is_main):  # another run's checkpoint: rank 0 says it, once
             state = load_checkpoint(path, cfg, n_steps, holds=("model", "optimizer", "scaler"))
         model.module.load_state_dict(state["model"])  # --- DDP: every rank loads rank 0's checkpoint
         optimizer.load_state_dict(state["optimizer"])

@@ -43,7 +43,7 @@ from distref.distributed import (
     launch_ranks,
     start_process_group,
 )
-from distref.models import build_model
+from distref.models import build_model, own_model_tied_across_blocks
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
 from distref.training.checkpoint import (
@@ -331,6 +331,8 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
         # fp16 needs a loss scaler whose inf check spans every rank's gradient shards (FSDP1 had
         # ShardedGradScaler); bf16 has fp32's range and needs none.
         return "--precision fp16 is not supported with FSDP2 here (no sharded loss scaler): use bf16"
+    if tied := own_model_tied_across_blocks(cfg.model):  # --- FSDP: each block is sharded on its own
+        return f"--model {cfg.model}: {tied}; fsdp shards each block on its own: keep them in one block"
     return None
 
 

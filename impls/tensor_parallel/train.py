@@ -23,6 +23,7 @@ Changes against impls/single/train.py are marked `# --- TP: ... ---`.
 import argparse
 import contextlib
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist  # --- TP ---
@@ -42,7 +43,15 @@ from torch.distributed.tensor.parallel import (
 
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
-from distref.config import RunConfig, exit_after_rank_0_spoke, fail, is_factory, positive_int, under_torchrun
+from distref.config import (
+    RunConfig,
+    exit_after_rank_0_spoke,
+    fail,
+    first_line,
+    is_factory,
+    positive_int,
+    under_torchrun,
+)
 from distref.cost import Predicted
 from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
@@ -55,7 +64,7 @@ from distref.distributed import (
     launch_ranks,
     start_process_group,
 )
-from distref.models import GPTConfig, build_model
+from distref.models import GPTConfig, build_model, tied_across_blocks
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
 from distref.training.checkpoint import (
@@ -203,13 +212,17 @@ def own_plan_problem(
     x = train_set.x[:4].to(device)
     whole.to(device).eval()
     model.eval()
+    # (DTensor's sharding propagation logs a failed shape check as a traceback of its own: said here)
+    propagation_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = propagation_log.level
+    propagation_log.setLevel(logging.CRITICAL)
     try:
         split = local_part(model(x))
     except Exception as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"--model {cfg.model}: its tp_plan fails in forward ({type(exc).__name__}: {first_line})"
+        return f"--model {cfg.model}: its tp_plan fails in forward ({type(exc).__name__}: {first_line(exc)})"
     finally:
         model.train()
+        propagation_log.setLevel(level)
     expected = whole(x)
     whole.to("cpu").train()
     if split.shape != expected.shape or not torch.allclose(split, expected, rtol=1e-4, atol=1e-5):
@@ -516,6 +529,8 @@ def own_model_problem(cfg: RunConfig, tp: int) -> str | None:
             "of yours"
         )
     model = build_model(cfg.model, None)  # (validate built it already: it builds)
+    if tied := tied_across_blocks(model):  # a split parameter and its unsplit twin would drift apart
+        return f"--model {cfg.model}: {tied}; tensor parallelism here splits layers of their own"
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, dict) or not plan:
         return (
@@ -532,7 +547,28 @@ def own_model_problem(cfg: RunConfig, tp: int) -> str | None:
         if features % tp:
             which = "outputs" if style == "colwise" else "inputs"
             return f"--model {cfg.model}: {name}'s {features} {which} ({style}) do not split over --tp {tp}"
+    if isinstance(model, nn.Sequential) and (problem := plan_order_problem(model, plan)):
+        return f"--model {cfg.model}: {problem}"
     return None
+
+
+def plan_order_problem(model: nn.Sequential, plan: dict[str, str]) -> str | None:
+    """A plan's layers in the order a (nested) nn.Sequential applies them: each colwise layer's split
+    output must reach a rowwise layer (which sums it whole again) before any other linear layer, and the
+    model must end whole. (What lies between, the ranks check: `own_plan_problem`.)"""
+    split_by = None  # the colwise layer whose split output flows now, if any
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        style = plan.get(name)
+        if style == "colwise" and split_by:
+            return f"{name} is colwise, but its input is {split_by}'s split output: make {name} rowwise"
+        if style == "rowwise" and not split_by:
+            return f"{name} is rowwise, but its input is whole: a colwise layer must come before it"
+        if style is None and split_by:
+            return f"{name} takes {split_by}'s split output: make {name} rowwise (or add it to the plan)"
+        split_by = name if style == "colwise" else None
+    return f"the model ends split ({split_by} is colwise): end with a rowwise layer" if split_by else None
 
 
 def resolved(cfg: RunConfig) -> RunConfig:

@@ -29,6 +29,7 @@ from distref.config import (
     exit_after_rank_0_spoke,
     fail,
     file_problem,
+    first_line,
     folder_problem,
     fraction,
     is_factory,
@@ -457,15 +458,20 @@ def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
     on = f"--model {cfg.model} on --dataset {cfg.dataset}"
     try:
         with torch.no_grad():
-            loss = loss_fn(model.eval()(x), y)
+            logits = model.eval()(x)
+            loss = loss_fn(logits, y)
     except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return (
             f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
-            f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line}"
+            f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line(exc)}"
         )
     if not torch.isfinite(loss):
         return f"{on}: the loss of a first batch is {loss.item()}"
+    if logits.shape[-1] < info.num_classes:  # (the first batch may not hold the largest target)
+        return (
+            f"{on}: the targets go up to {info.num_classes - 1}, but the model gives {logits.shape[-1]} "
+            "logits (one per class)"
+        )
     if cfg.activation_checkpointing and not cuts_model and not isinstance(model, BlockModel):
         return (
             f"--activation-checkpointing recomputes the blocks of an nn.Sequential; {cfg.model} returns a "

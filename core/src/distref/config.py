@@ -59,6 +59,12 @@ def choice_or_factory(option: str, choices: Sequence[str]):
     return parse
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message, its first line (one-line errors quote what your code raised)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 class FactoryError(ValueError):
     """A MODULE:FUNCTION that cannot be imported, or whose result breaks its contract: the message says
     which, in one line."""
@@ -73,9 +79,9 @@ def load_factory(spec: str, option: str):
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # (a missing module, or the user's module failing as it is imported)
+    except (Exception, SystemExit) as exc:  # (a missing module, or yours failing as it is imported)
         raise FactoryError(
-            f"{option} {spec}: cannot import {module_name} ({type(exc).__name__}: {exc})"
+            f"{option} {spec}: cannot import {module_name} ({type(exc).__name__}: {first_line(exc)})"
         ) from None
     factory = getattr(module, function, None)
     if not callable(factory):

@@ -8,6 +8,7 @@ the same whichever impl trains it: a `--save-final` state_dict from any impl loa
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from distref.config import FactoryError, is_factory, load_factory
+from distref.config import FactoryError, first_line, is_factory, load_factory
 from distref.data.tensors import DatasetInfo
 
 
@@ -214,20 +215,50 @@ def own_model(spec: str) -> nn.Module:
     factory = load_factory(spec, "--model")
     try:
         model = factory()
-    except Exception as exc:  # (your code: whatever it raises is said in one line)
+    except (Exception, SystemExit) as exc:  # (your code: whatever it raises is said in one line)
         raise FactoryError(
-            f"--model {spec}: {spec.partition(':')[2]}() failed: {type(exc).__name__}: {exc}"
+            f"--model {spec}: {spec.partition(':')[2]}() failed: {type(exc).__name__}: {first_line(exc)}"
         ) from None
     if not isinstance(model, nn.Module):
         raise FactoryError(f"--model {spec}: returned a {type(model).__name__}, not a torch.nn.Module")
     if type(model) is nn.Sequential or (
         isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
     ):
-        blocks = BlockModel(OrderedDict(model.named_children()))
+        blocks, seen = OrderedDict(), set()
+        for name, block in model._modules.items():  # (named_children() would skip a block used twice)
+            if id(block) in seen and not [*block.parameters(), *block.buffers()]:
+                block = copy.deepcopy(block)  # one nn.ReLU() used twice: a block of its own each time
+            seen.add(id(block))
+            blocks[name] = block
+        as_blocks = BlockModel(blocks)
         if hasattr(model, "tp_plan"):  # (tensor_parallel's plan of your model: the same names)
-            blocks.tp_plan = model.tp_plan
-        return blocks
+            as_blocks.tp_plan = model.tp_plan
+        return as_blocks
     return model
+
+
+def tied_across_blocks(model: nn.Module) -> str | None:
+    """The first parameter that two blocks share (tied weights, or one block with parameters used twice),
+    in a few words, or None. Impls that split a model by its blocks (cut between ranks, sharded block by
+    block) would hold two copies of it, trained apart; this project's models tie none."""
+    owner: dict[int, tuple[str, str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        block = name.split(".")[0]
+        first_block, first_name = owner.setdefault(id(parameter), (block, name))
+        if first_block != block:
+            return f"{first_name} and {name} are one parameter, in two blocks ({first_block}, {block})"
+    return None
+
+
+def own_model_tied_across_blocks(name: str) -> str | None:
+    """`tied_across_blocks` of a model of yours (built again: validate built and tried it first); None for
+    this project's."""
+    if not is_factory(name):
+        return None
+    try:
+        return tied_across_blocks(own_model(name))
+    except FactoryError:
+        return None  # (said by validate)
 
 
 @torch.no_grad()

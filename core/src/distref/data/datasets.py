@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
-from collections.abc import Callable
+import os
+import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from distref.config import FactoryError, RunConfig, is_factory, load_factory
+from distref.config import FactoryError, RunConfig, first_line, is_factory, load_factory
 from distref.data.mnist import idx_dataset, prepare_fashion_mnist, prepare_mnist
 from distref.data.tensors import IGNORE_INDEX, DataError, DatasetInfo, TensorData
 
@@ -133,19 +136,67 @@ def own_dataset(spec: str) -> tuple[TensorData, TensorData, DatasetInfo]:
     except FactoryError as exc:
         raise DataError(str(exc)) from None
     if factory not in _OWN_DATASETS:  # (by the function itself: a module imported again is read again)
-        _OWN_DATASETS[factory] = _load_own_dataset(spec, factory)
+        loaded = _load_own_dataset(spec, factory)
+        launcher_read = os.environ.get(OWN_DATA_VARIABLE, "").partition(" ")
+        if launcher_read[0] == spec and (digest := fingerprint(*loaded[:2])) != launcher_read[2]:
+            raise DataError(
+                f"--dataset {spec}: rank {os.environ.get('RANK', '?')} read other data than the launcher did "
+                f"(sha256 {digest[:12]}, not {launcher_read[2][:12]}): {spec.partition(':')[2]}() must "
+                "return the same samples every time it is called (the same files; random numbers from a "
+                "seeded generator)"
+            )
+        _OWN_DATASETS[factory] = loaded
     return _OWN_DATASETS[factory]
 
 
 _OWN_DATASETS: dict[Callable, tuple[TensorData, TensorData, DatasetInfo]] = {}
 
 
+# What the launcher read (`spec sha256`), for its ranks to check that they read the same (launch_ranks).
+OWN_DATA_VARIABLE = "DISTREF_OWN_DATA"
+
+
+def fingerprint(train: TensorData, test: TensorData) -> str:
+    """sha256 of a dataset's tensors (inputs and targets, train then test)."""
+    digest = hashlib.sha256()
+    for tensor in (train.x, train.y, test.x, test.y):
+        digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def seeded_random_state(seed: int = 0) -> Iterator[None]:
+    """torch's, Python's and (where installed) numpy's global random numbers seeded, then put back: what
+    your dataset function draws from them is the same in every process (each rank calls it again)."""
+    python_state, torch_state = random.getstate(), torch.random.get_rng_state()
+    try:
+        import numpy
+    except ImportError:
+        numpy = None
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        torch.random.set_rng_state(torch_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
 def _load_own_dataset(spec: str, factory: Callable) -> tuple[TensorData, TensorData, DatasetInfo]:
     function = spec.partition(":")[2]
     try:
-        made = factory()
-    except Exception as exc:  # (your code: whatever it raises is said in one line)
-        raise DataError(f"--dataset {spec}: {function}() failed: {type(exc).__name__}: {exc}") from None
+        with seeded_random_state():
+            made = factory()
+    except (Exception, SystemExit) as exc:  # (your code: whatever it raises is said in one line)
+        raise DataError(
+            f"--dataset {spec}: {function}() failed: {type(exc).__name__}: {first_line(exc)}"
+        ) from None
     if not (isinstance(made, tuple | list) and len(made) == 2):
         raise DataError(
             f"--dataset {spec}: {function}() must return (train, test) datasets, not {type(made).__name__}"
@@ -166,7 +217,10 @@ def _load_own_dataset(spec: str, factory: Callable) -> tuple[TensorData, TensorD
             f"--dataset {spec}: targets must be class indices >= 0 (or {IGNORE_INDEX}, not scored)"
         )
     kind = "image" if train.x.is_floating_point() else "sequence"
-    return train, test, DatasetInfo(spec, int(scored.max()) + 1, tuple(train.x.shape[1:]), kind)
+    classes = int(scored.max()) + 1
+    if kind == "sequence":  # tokens in, tokens out (gpt): the vocabulary covers both
+        classes = max(classes, int(torch.cat([train.x.flatten(), test.x.flatten()]).max()) + 1)
+    return train, test, DatasetInfo(spec, classes, tuple(train.x.shape[1:]), kind)
 
 
 def as_tensors(dataset, what: str) -> TensorData:
@@ -187,8 +241,19 @@ def as_tensors(dataset, what: str) -> TensorData:
         item = dataset[i]
         if not (isinstance(item, tuple | list) and len(item) == 2):
             raise DataError(f"{what}: item {i} is not an (input, target) pair but a {type(item).__name__}")
-        inputs.append(torch.as_tensor(item[0]))
-        targets.append(torch.as_tensor(item[1]))
+        for part, into in zip(item, ("input", "target"), strict=True):
+            try:
+                (inputs if into == "input" else targets).append(torch.as_tensor(part))
+            except (TypeError, ValueError, RuntimeError) as exc:
+                hint = (
+                    " (a PIL image: give the dataset transform=ToTensor())"
+                    if "Image" in type(part).__name__
+                    else ""
+                )
+                raise DataError(
+                    f"{what}: item {i}'s {into}, a {type(part).__name__}, is not a tensor or number{hint} "
+                    f"({first_line(exc)})"
+                ) from None
     shapes = {tuple(t.shape) for t in inputs}
     if len(shapes) > 1:
         raise DataError(
@@ -200,6 +265,9 @@ def as_tensors(dataset, what: str) -> TensorData:
             f"{what}: targets are {y.dtype}; the loss (cross-entropy) needs class indices (integers)"
         )
     x = torch.stack(inputs)
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        first = int((~torch.isfinite(x.flatten(1))).any(dim=1).nonzero()[0])
+        raise DataError(f"{what}: item {first}'s input holds nan or inf")
     return TensorData(x.float() if x.is_floating_point() else x, y.long())
 
 

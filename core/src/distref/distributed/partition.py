@@ -18,7 +18,7 @@ from torch import nn
 
 from distref.config import FactoryError, RunConfig, is_factory
 from distref.data import DataError, DatasetInfo, sample_batch
-from distref.models import block_sequence_problem, build_model
+from distref.models import block_sequence_problem, build_model, tied_across_blocks
 
 # A representative dataset per model: the block structure does not depend on the data's size.
 MODEL_DATASETS = {
@@ -51,6 +51,8 @@ def cut_problem(cfg: RunConfig, text: str | None, parts: int) -> str | None:
         model = build_model(cfg.model, info)
     except (DataError, FactoryError) as exc:
         return str(exc)
+    if tied := tied_across_blocks(model):  # (each part would train a copy of its own)
+        return f"--model {cfg.model} cannot be cut between ranks: {tied}; keep tied parameters in one block"
     if problem := block_sequence_problem(model, x):
         return f"--model {cfg.model} cannot be cut between ranks: {problem}"
     return choose_cut_points(block_sizes(model), text, parts, cfg.model)[1]

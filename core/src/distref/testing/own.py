@@ -39,8 +39,7 @@ def example_mlp() -> nn.Module:
             fc1=nn.Linear(16, 64),
             act1=nn.ReLU(),
             fc2=nn.Linear(64, 32),
-            act2=nn.Tanh(),
-            out=nn.Linear(32, 4),
+            out=nn.Linear(32, 4),  # (takes fc2's output as tensor parallelism leaves it: all-reduced)
         )
     )
     model.tp_plan = {"fc1": "colwise", "fc2": "rowwise"}  # (Megatron's MLP: split rows, then columns)

@@ -97,6 +97,9 @@ class SavedActivations:
         # state, not activations; so is a view of one (a Linear saves weight.t(); of a DTensor parameter,
         # a DTensor view whose local part is a plain view of the parameter's local part).
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's part
+        # A collective's result not yet waited for (AsyncCollectiveTensor: a row-wise layer's output that
+        # the next layer saves) wraps the tensor it will hold, whose storage it has none of its own
+        local = getattr(local, "elem", local)
         if _of_a_parameter(tensor) or _of_a_parameter(local):
             return tensor
         if local.untyped_storage().data_ptr() in self.parameter_storages:
