@@ -8,6 +8,7 @@ starts from).
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import textwrap
@@ -389,3 +390,28 @@ def test_a_tp_plan_that_does_not_compute_the_model_is_refused_by_the_ranks(proje
         "must reach a rowwise layer through element-wise operations only)"
     ], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_checkpoint_of_your_model_as_it_was_is_refused_once_the_model_changed(project, capsys):
+    """Resuming after the function changed (fc1 wider): one line naming what changed, not
+    load_state_dict's traceback; unchanged, it resumes."""
+    single = load_train_module("single")
+    run = ["--model", "mine:mlp", *ON_MINE, "--checkpoint-dir", str(project / "ck")]
+    single.main([*run, "--steps", "2", "--checkpoint-every", "2"])
+    assert single.main([*run, "--steps", "3", "--resume", "auto"])["status"] == "completed"
+    wider = MINE.replace(
+        "fc1=nn.Linear(16, 32), act=nn.ReLU(), fc2=nn.Linear(32, 4)",
+        "fc1=nn.Linear(16, 48), act=nn.ReLU(), fc2=nn.Linear(48, 4)",
+    )
+    (project / "mine.py").write_text(wider)
+    sys.modules.pop("mine")
+    importlib.invalidate_caches()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        single.main([*run, "--steps", "4", "--resume", "auto"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"single: error: checkpoint {project}/ck/step-00000002.pt holds another model than --model mine:mlp "
+        "builds now (fc1.weight: [32, 16] then, [48, 16] now): the function changed since the checkpoint "
+        "was written"
+    ]

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distref.config import RUN_DEFINING_OPTIONS, RunConfig, defining_value, is_first_rank
+from distref.config import RUN_DEFINING_OPTIONS, RunConfig, defining_value, is_factory, is_first_rank
+from distref.models import own_model
 from distref.training.device import at_least_fp32
 from distref.training.optim import lr_factor
 from distref.training.traffic import TRAFFIC
@@ -156,6 +157,11 @@ def load_checkpoint(
     if different:
         diffs = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} vs {current[k]}" for k in different)
         raise CheckpointError(f"checkpoint {path} is from a different run ({diffs})")
+    if "model" in state and (changed := own_model_changed(cfg.model, state["model"])):
+        raise CheckpointError(
+            f"checkpoint {path} holds another model than --model {cfg.model} builds now ({changed}): the "
+            "function changed since the checkpoint was written"
+        )
     if state["step"] > total_steps:
         raise CheckpointError(
             f"checkpoint {path} is at step {state['step']}, past the end of this run ({total_steps} steps): "
@@ -168,6 +174,23 @@ def load_checkpoint(
         changes["total_steps"] = [state["total_steps"], total_steps]
     state["changes"] = changes
     return state
+
+
+def own_model_changed(name: str, saved: dict[str, torch.Tensor]) -> str | None:
+    """For a model of yours: the first parameter or buffer whose name or shape differs between a
+    checkpoint's full state_dict `saved` and what the function builds now (on the meta device: no
+    memory), or None. (This project's models change only with a version, which the record names.)"""
+    if not is_factory(name) or not isinstance(saved, dict):
+        return None
+    with torch.device("meta"):
+        now = {k: tuple(v.shape) for k, v in own_model(name).state_dict().items()}
+    before = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    # (a checkpoint of model_parallel holds its rank's parts: what it holds must be as built now)
+    if gone := sorted(before.keys() - now.keys()):
+        return f"it holds {gone[0]}, which the model has no more"
+    return next(
+        (f"{k}: {list(before[k])} then, {list(now[k])} now" for k in before if now[k] != before[k]), None
+    )
 
 
 def describe_resume(path: str | Path, state: dict[str, Any]) -> str:
