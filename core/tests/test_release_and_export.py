@@ -254,13 +254,13 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, r
     assert (
         f"python train.py --model {models[0]} --dataset" if models else "python train.py --dataset"
     ) in readme
-    # `python train.py -h` (its docstring) shows the commands as they are here
-    usage = run_exported("-h")
-    assert usage.returncode == 0 and "    python train.py " in usage.stdout, usage.stdout[:2000]
-    assert not MONOREPO.search(MARKED.sub("", " ".join(usage.stdout.split())))  # (as argparse wraps it)
     exported = run_exported(*workload, "--save-final", str(tmp_path / "exported.pt"))
     assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
     if impl == "ddp":  # the same core checks in every impl: once, for one that would start ranks
+        # `python train.py -h` (its docstring, rewritten as every text file is: scanned above for all)
+        usage = run_exported("-h")
+        assert usage.returncode == 0 and "    python train.py " in usage.stdout, usage.stdout[:2000]
+        assert not MONOREPO.search(MARKED.sub("", " ".join(usage.stdout.split())))  # (as argparse wraps)
         check_torchvision_needed_only_by_its_models(run_exported, fresh_python, request, tmp_path)
     # Inside the repo, every impl trains exactly what single does with the same micro-batch sums (their own
     # tests prove it): single, in this process, is the in-repo result without starting any rank. Tensor
@@ -274,14 +274,13 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, r
 
 
 def check_torchvision_needed_only_by_its_models(run_exported, python: Path, request, tmp_path: Path) -> None:
-    """Real MNIST trains in an export without torchvision, and with one that fails at import (PyPI's
-    torchvision on a CPU torch: a CUDA build); `--model resnet18` is refused in one line saying why."""
+    """Real MNIST trains in an export with a torchvision that fails at import (PyPI's torchvision on a CPU
+    torch: a CUDA build), as without one; `--model resnet18` is refused in one line saying why, either
+    way."""
     mnist = ["--dataset", "mnist", "--data-root", str(request.getfixturevalue("mnist_root"))]
     mnist += ["--steps", "2", "--global-batch-size", "16"]
 
     def check(why: str) -> None:
-        trained = run_exported(*mnist)
-        assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
         refused = run_exported("--model", "resnet18", "--dataset", "synthetic")
         assert refused.returncode == 2
         assert refused.stderr.splitlines()[-1] == (
@@ -300,6 +299,8 @@ def check_torchvision_needed_only_by_its_models(run_exported, python: Path, requ
     (site / "broken_torchvision.pth").write_text(f"{broken}\n")  # (the venv is the module's: removed below)
     try:
         check("it fails to import (RuntimeError: operator torchvision::nms does not exist)")
+        trained = run_exported(*mnist)  # (the IDX files read without torchvision, whatever it does)
+        assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
     finally:
         (site / "broken_torchvision.pth").unlink()
 
@@ -422,27 +423,6 @@ def test_the_own_project_page_works_command_by_command_in_a_fresh_venv(tmp_path)
     pytest_runs = [out for command, out in outputs.items() if "-m pytest" in command]
     assert len(pytest_runs) == 2 and all(re.search(r"\b1 passed\b", out) for out in pytest_runs), pytest_runs
     assert all("PytestUnknownMarkWarning" not in out for out in pytest_runs)  # the markers are registered
-
-
-def test_exported_tests_run_there(tmp_path):
-    dest = export("dataparallel", tmp_path / "dp")
-    result = run_script(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "checkpoint_resume or one_line",
-        ],
-        cwd=dest,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "2 passed" in result.stdout
-    assert "PytestUnknownMarkWarning" not in result.stdout  # its pyproject registers the tests' markers
 
 
 def assert_every_command_works_there(readme: str, dest: Path) -> None:
