@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import textwrap
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from distref.data import own_dataset
+from distref.data.datasets import OWN_DATA_VARIABLE, fingerprint
 from distref.models import BlockModel, build_model
 from distref.testing import count_block_calls, load_train_module, run_ranks, run_script, train_path
 
@@ -301,11 +303,14 @@ def test_your_model_and_data_train_from_the_folder_you_run_in(project):
 
 
 def test_ranks_import_your_functions_and_the_cut_is_of_your_model(project):
-    """pipeline started as a user starts it (`python train.py`, torchrun's ranks in the same folder):
-    each rank imports mine.py and reads the same data (shuffled by numpy's random numbers, seeded for
-    the call); the stages are cut from the model built (3 blocks, not lenet's 4)."""
+    """pipeline's ranks, started in the project's folder (as torchrun starts them there): each imports
+    mine.py and reads the same data as this process, the launcher here (shuffled by numpy's random
+    numbers, seeded for the call: each rank checks the sha256 the launcher passes on); the stages are cut
+    from the model built (3 blocks, not lenet's 4)."""
+    read = f"mine:numpy_shuffled {fingerprint(*own_dataset('mine:numpy_shuffled')[:2])}"
     args = ["--model", "mine:mlp", "--dataset", "mine:numpy_shuffled", "--steps", "4"]
-    result = run_script([sys.executable, str(train_path("pipeline")), *args], cwd=project, timeout=120)
+    env = {**os.environ, OWN_DATA_VARIABLE: read}
+    result = run_ranks(2, str(train_path("pipeline")), args, env=env, timeout=120, cwd=project)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "cut at [1] (balancing parameter counts): fc1 | act,fc2" in result.stdout
 

@@ -1,5 +1,6 @@
 """Versions that cannot drift, and references that run outside this repo."""
 
+import ast
 import importlib.metadata
 import itertools
 import json
@@ -217,11 +218,15 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, r
     assert "from distref." not in (dest / "train.py").read_text()
     assert f"impl `{impl}`" in (dest / "README.md").read_text().splitlines()[0]  # version stamped
     # Its tests import (every `distref` import rewritten to the vendored package: `import distref.config`
-    # once became `import distref_fsdp as distref.config`, a SyntaxError at collection).
-    collected = run_script(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=dest
-    )
-    assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-2000:]
+    # once became `import distref_fsdp as distref.config`, a SyntaxError at collection): every module of
+    # the project compiles and every vendored module it imports is there; ddp's are collected by pytest
+    # (and run, from an install, by test_the_own_project_page_works_command_by_command_in_a_fresh_venv).
+    assert_every_vendored_import_resolves(dest, f"distref_{impl}")
+    if impl == "ddp":
+        collected = run_script(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=dest
+        )
+        assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-2000:]
 
     # `pip install .` (-e: test_exported_project_installs_editable_and_its_tests_run_on_the_install): the
     # vendored core, with its data files, is copied into the venv; the folder's own copy is then moved
@@ -243,9 +248,10 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, r
         return subprocess.run(cmd, capture_output=True, text=True, cwd=dest, env=env, timeout=300)
 
     # The installed test helpers have no conftest.py above them: they take the project from where its tests
-    # run (a StopIteration at import, once).
-    located = run_exported("-c", f"import {package}.testing as t; print(t.ROOT, t.EXPORTED_IMPL)")
-    assert located.stdout.split() == [str(dest.resolve()), impl], located.stderr[-2000:]
+    # run (a StopIteration at import, once). (The same module in every export: checked once.)
+    if impl == "ddp":
+        located = run_exported("-c", f"import {package}.testing as t; print(t.ROOT, t.EXPORTED_IMPL)")
+        assert located.stdout.split() == [str(dest.resolve()), impl], located.stderr[-2000:]
 
     # An impl made for one model (tensor_parallel: gpt) trains that model on the synthetic set instead, as
     # its README's first run says.
@@ -271,6 +277,29 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, r
     result = torch.load(tmp_path / "exported.pt", weights_only=True)
     difference = max_relative_difference(result, torch.load(tmp_path / "repo.pt", weights_only=True))
     assert difference < PARITY_TOLERANCE if impl == "tensor_parallel" else difference == 0.0
+
+
+def assert_every_vendored_import_resolves(dest: Path, package: str) -> None:
+    """Every Python file of an export compiles, and each module of `package` it imports (`import
+    package.x`, `from package.x import y`, `from package import x`) is a file or package there."""
+    for path in sorted(dest.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))  # (a SyntaxError names the file and line)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module]
+                if node.module == package:  # `from package import x`: x a module, or a name in __init__
+                    modules += [
+                        f"{package}.{a.name}" for a in node.names if (dest / package / a.name).exists()
+                    ]
+            else:
+                continue
+            for module in (m for m in modules if m.split(".")[0] == package):
+                target = dest.joinpath(*module.split("."))
+                assert target.with_suffix(".py").is_file() or (target / "__init__.py").is_file(), (
+                    f"{path.relative_to(dest)}:{node.lineno} imports {module}, which the export lacks"
+                )
 
 
 def check_torchvision_needed_only_by_its_models(run_exported, python: Path, request, tmp_path: Path) -> None:
