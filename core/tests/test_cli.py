@@ -71,7 +71,7 @@ def test_real_command_line_fails_fast_and_cleanly():
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "single/train.py: error: --model gpt does not train on --dataset cifar10 (use one of: text, synthetic)"
+        "single/train.py: error: --model gpt does not train on --dataset cifar10 (use one of: text, synthetic, masked)"
     ]
 
 

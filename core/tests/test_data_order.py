@@ -73,3 +73,23 @@ def test_loader_resumes_mid_epoch_with_the_same_batches():
     full = [x.flatten().tolist() for x, _ in train_loader(data, cfg, 0, 40)]
     resumed = [x.flatten().tolist() for x, _ in train_loader(data, cfg, 13, 40)]
     assert resumed == full[13 * 2 :]
+
+
+def test_scored_targets_counts_the_whole_global_batch_of_each_step():
+    """The divisor of every impl's step loss: the scored targets (not IGNORE_INDEX) of step t's whole
+    global batch, the same number on every rank (each counts it alone), whatever the world size."""
+    from distref.data import scored_targets, synthetic_masked
+
+    train, _, _ = synthetic_masked(n_train=200, n_test=1)
+    cfg = RunConfig(global_batch_size=16, seed=3)
+    counts = []
+    for step in range(30):  # past the epoch's end (12 steps of 16 of 200): the next epoch's order
+        batch = global_batch_indices(len(train), 16, 3, step)
+        expected = int((train.y[batch] != -100).sum())
+        assert scored_targets(train, cfg, step) == expected
+        counts.append(expected)
+    assert len(set(counts)) > 5  # masked: the count changes from step to step
+    labels = TensorData(torch.zeros(50, 1, 2, 2), torch.arange(50) % 10)  # class labels: one per sample
+    assert scored_targets(labels, RunConfig(global_batch_size=16), 1) == 16
+    nothing = TensorData(torch.zeros(50, 4), torch.full((50, 4), -100))
+    assert scored_targets(nothing, RunConfig(global_batch_size=16), 0) == 1  # loss 0, not 0/0

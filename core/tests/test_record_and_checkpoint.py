@@ -163,7 +163,7 @@ def test_failed_run_leaves_a_failed_record(single_train, tmp_path, monkeypatch):
     def broken_loss(logits, targets):
         raise FloatingPointError("loss exploded")
 
-    monkeypatch.setattr(single_train, "loss_fn", broken_loss)
+    monkeypatch.setattr(single_train, "loss_sum", broken_loss)
     with pytest.raises(FloatingPointError):
         single_train.main([*FAST, "--steps", "3", "--out", str(out)])
     record = load_record(out)

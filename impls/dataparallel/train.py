@@ -30,7 +30,7 @@ from distref.config import RunConfig
 from distref.cost import Predicted
 from distref.cost.activations import predicted_for_run
 from distref.cost.memory import replicated
-from distref.data import eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
@@ -53,7 +53,7 @@ from distref.training.device import (
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import evaluate, loss_fn
+from distref.training.steps import evaluate, loss_sum
 
 IMPL = "dataparallel"
 VERSION = impl_version(__file__)
@@ -155,16 +155,21 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=0) as prof:
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            scored = scored_targets(train_set, cfg, step)
             step_loss = torch.zeros((), device=device)
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast(cfg, device):
-                    loss = loss_fn(model(x), y)
-                # Each micro-batch is 1/grad_accum of the global batch: scaling makes the summed
-                # gradients the mean over the whole global batch, as one big batch would give.
-                scaler.scale(loss / cfg.grad_accum).backward()
-                step_loss += loss.detach() / cfg.grad_accum
+                    loss = loss_sum(model(x), y) / scored
+                # The micro-batches' gradients add up to the global batch's, as one big batch gives.
+                # --- DataParallel: nothing to undo: the loss is over the outputs gathered on GPU 0 (the
+                # whole micro-batch), and backward *sums* the replicas' gradients into the module's.
+                scaler.scale(loss).backward()
+                step_loss += loss.detach()
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()

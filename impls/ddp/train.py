@@ -2,8 +2,9 @@
 
 Every rank runs this file, started by torchrun or by `python train.py`, which checks the arguments and
 then starts the ranks through torch's own launcher (torch.distributed.run). Each rank takes its own slice
-of the global batch and runs forward and backward on it; during backward DDP all-reduces (averages) the
-gradients bucket by bucket, overlapping communication with the rest of backward. All replicas then take
+of the global batch and runs forward and backward on it; during backward DDP all-reduces (sums: each rank's
+loss is its part of the global batch's mean) the gradients bucket by bucket, overlapping communication
+with the rest of backward. All replicas then take
 the same optimizer step, so they stay identical — and identical to `impls/single` trained on the whole
 global batch.
 
@@ -22,7 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist  # --- DDP ---
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distref import impl_version
@@ -32,9 +33,16 @@ from distref.cost import Predicted
 from distref.cost.activations import predicted_for_run
 from distref.cost.data_parallel import ddp as ddp_communication
 from distref.cost.memory import replicated
-from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import (
+    DatasetInfo,
+    eval_batches,
+    load_dataset,
+    scored_targets,
+    steps_per_epoch,
+    train_loader,
+)
 from distref.distributed import (
-    all_reduce_mean,
+    all_reduce_sum,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -62,7 +70,7 @@ from distref.training.device import (
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import evaluate, loss_fn
+from distref.training.steps import evaluate, loss_sum
 
 IMPL = "ddp"
 VERSION = impl_version(__file__)
@@ -98,39 +106,49 @@ def apply_ddp(model: nn.Module, options: DDPOptions, device: torch.device, rank:
         static_graph=options.static_graph,
         gradient_as_bucket_view=options.grad_as_bucket_view,
     )
+    # DDP's own all-reduce averages the gradients (÷ world size). Each rank's loss is already its part of
+    # the global batch's mean (its loss sum ÷ the global batch's scored targets), so the gradients must be
+    # summed: a communication hook replaces the reduction, optionally sending bf16/fp16 (half the bytes).
     hook = options.comm_hook
-    if hook == "fp16":
-        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "bf16":
-        cuda_hook = default_hooks.bf16_compress_hook
-        ddp_model.register_comm_hook(
-            dist.group.WORLD, cuda_hook if device.type == "cuda" else bf16_average_hook
-        )
-    elif hook == "powersgd":
+    if hook == "powersgd":  # PowerSGD averages inside its hook, with no option to sum: undo the ÷ N after it
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10
         )
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp_model.register_comm_hook(state, times_world_size(powerSGD_hook.powerSGD_hook))
+    else:
+        ddp_model.register_comm_hook(WIRE_DTYPES[hook], summing_hook)
     return ddp_model
 
 
-def bf16_average_hook(
-    process_group: dist.ProcessGroup, bucket: dist.GradBucket
+WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}  # --comm-hook → what is sent
+
+
+def summing_hook(
+    wire_dtype: torch.dtype | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:  # DDP checks these annotations, so no `from __future__ import`
-    """Average the bucket in bf16: half the bytes on the wire, fp32's exponent range.
-
-    torch's own `default_hooks.bf16_compress_hook` refuses to run without CUDA/XPU (DDP checks the
-    hook's *name*), although gloo all-reduces bf16 fine; this is the same algorithm, for any backend.
-    """
+    """All-reduce one bucket of gradients as a sum over the ranks, sent in `wire_dtype` (bf16: half the
+    bytes, fp32's exponent range; fp16: half the bytes, a smaller range; None: as they are). torch's
+    fp16/bf16_compress_hook average instead, and its bf16 one refuses to run without CUDA (DDP checks the
+    hook's *name*) although gloo all-reduces bf16 fine."""
     buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(process_group.size())
-    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+    sent = buffer if wire_dtype is None else buffer.to(wire_dtype)
+    work = dist.all_reduce(sent, async_op=True)
 
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(fut.value()[0])
+    def received(_: torch.futures.Future) -> torch.Tensor:
+        if sent is not buffer:
+            buffer.copy_(sent)  # (the all-reduce summed `sent` in place)
         return buffer
 
-    return work.get_future().then(decompress)
+    return work.get_future().then(received)
+
+
+def times_world_size(hook):
+    """`hook`, its averaged result multiplied back by the world size: a sum."""
+
+    def summed(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return hook(state, bucket).then(lambda fut: fut.value().mul_(dist.get_world_size()))
+
+    return summed
 
 
 def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: int) -> Predicted:
@@ -210,6 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            scored = scored_targets(train_set, cfg, step)  # --- DDP: of the whole batch, not this rank's
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -220,11 +242,12 @@ def main(argv: list[str] | None = None) -> dict:
                 last_micro_step = micro_step == cfg.grad_accum - 1
                 with contextlib.nullcontext() if last_micro_step else model.no_sync():
                     with autocast(cfg, device):
-                        loss = loss_fn(model(x), y)
-                    # Each micro-batch is 1/grad_accum of this rank's share; DDP then averages over
-                    # ranks: together, the mean over the whole global batch, as in single.
-                    scaler.scale(loss / cfg.grad_accum).backward()
-                step_loss += loss.detach() / cfg.grad_accum
+                        loss = loss_sum(model(x), y) / scored
+                    # The micro-batches' gradients add up to the global batch's, as one big batch gives.
+                    # --- DDP: and so do the ranks': the all-reduce sums them (summing_hook), where DDP's
+                    # own would average them, dividing the global batch's gradient by the world size.
+                    scaler.scale(loss).backward()
+                step_loss += loss.detach()
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -240,9 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                # --- DDP: average the losses over ranks (one all-reduce for all pending steps), so
+                # --- DDP: sum the ranks' parts of the loss (one all-reduce for all pending steps), so
                 # rank 0 reports the global-batch loss, not its own slice's (pytorch/examples #905).
-                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=all_reduce_sum)
             if due.eval:
                 started = log.eval_starts()
                 # --- DDP: each rank scores its shard of the test set with the bare module (no DDP

@@ -40,9 +40,16 @@ from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
 from distref.cost import Predicted
 from distref.cost.activations import predicted_for_run
 from distref.cost.zero import zero_communication, zero_model_states
-from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import (
+    DatasetInfo,
+    eval_batches,
+    load_dataset,
+    scored_targets,
+    steps_per_epoch,
+    train_loader,
+)
 from distref.distributed import (
-    all_reduce_mean,
+    all_reduce_sum,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -72,7 +79,7 @@ from distref.training.device import (
 from distref.training.measure import zero_model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import evaluate, loss_fn
+from distref.training.steps import evaluate, loss_sum
 
 IMPL = "deepspeed_zero"
 VERSION = impl_version(__file__)
@@ -337,24 +344,30 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            scored = scored_targets(train_set, cfg, step)  # --- ZERO: of the whole batch, not this rank's
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 if x.is_floating_point():  # --- ZERO: images in the parameters' dtype (bf16/fp16)
                     x = x.to(compute_dtype)
-                loss = loss_fn(engine(x), y)
-                # --- ZERO: the engine divides by --grad-accum (each micro-batch is 1/K of this rank's
-                # share) and, at the last micro-step, averages the gradients over the ranks (stage 0/1:
-                # all-reduce; 2/3: reduce-scatter into each rank's partition). Not divided here too.
-                engine.backward(loss)
+                loss = loss_sum(engine(x), y) / scored
+                # --- ZERO: the micro-batches' and the ranks' gradients must add up to the global batch's.
+                # scale_wrt_gas=False: the engine would divide by --grad-accum (the count did it). At the
+                # last micro-step it averages the gradients over the ranks (stage 0/1: all-reduce; 2/3:
+                # reduce-scatter into each rank's partition), ÷ world size at every stage with no option
+                # to sum (its gradient_predivide_factor only moves the divide): × world size undoes it.
+                engine.backward(loss * world_size, scale_wrt_gas=False)
                 if state_bytes is None and step > start_step and micro_step == cfg.grad_accum - 1:
                     # Gradients exist now (step() frees them) and the optimizer state since step 1.
                     state_bytes = zero_model_state_bytes(engine, optimizer)
                 # --- ZERO: a no-op but at the last micro-step: optimizer step on this rank's
                 # partition, then (stage 1/2) all-gather of the updated parameters; zero_grad.
                 engine.step()
-                step_loss += loss.detach() / cfg.grad_accum
+                step_loss += loss.detach()
             # --- ZERO: no scaler, optimizer.step() or zero_grad() here: engine.step() did them
             if not engine.was_step_applied():  # --- ZERO: fp16's loss scaler found inf/nan, skipped it
                 record.add_skipped_step(step)
@@ -365,9 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                # --- ZERO: average the losses over ranks (one all-reduce for all pending steps), so
+                # --- ZERO: sum the ranks' parts of the loss (one all-reduce for all pending steps), so
                 # rank 0 reports the global-batch loss, not its own slice's.
-                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=all_reduce_sum)
             if due.eval:
                 started = log.eval_starts()
                 # --- ZERO: each rank scores its shard of the test set; sums are all-reduced. Each

@@ -6,7 +6,7 @@ then starts the ranks through torch's own launcher (torch.distributed.run). As i
 own slice of the global batch. Unlike DDP, a parameter lives on each rank as a 1/world shard (a DTensor
 on a DeviceMesh): before a block's forward (and again before its backward) its shards are all-gathered
 into the whole parameters, which are freed again afterwards (`--reshard-after-forward`); after its
-backward, gradients are reduce-scattered, so each rank receives the average of its own shard; the
+backward, gradients are reduce-scattered, so each rank receives the sum of its own shard; the
 optimizer then steps on shards only. That is ZeRO-3 (impls/deepspeed_zero --zero-stage 3) in PyTorch
 itself, and equal to `impls/single` trained on the whole global batch.
 
@@ -25,7 +25,13 @@ import torch
 import torch.distributed as dist  # --- FSDP ---
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
@@ -34,9 +40,17 @@ from distref.cost import Predicted
 from distref.cost.activations import predicted_for_run
 from distref.cost.sharded import fsdp as fsdp_communication
 from distref.cost.sharded import fsdp_model_states
-from distref.data import DatasetInfo, TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import (
+    DatasetInfo,
+    TensorData,
+    eval_batches,
+    load_dataset,
+    scored_targets,
+    steps_per_epoch,
+    train_loader,
+)
 from distref.distributed import (
-    all_reduce_mean,
+    all_reduce_sum,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -67,7 +81,7 @@ from distref.training.device import (
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import evaluate, loss_fn
+from distref.training.steps import evaluate, loss_sum
 
 IMPL = "fsdp"
 VERSION = impl_version(__file__)
@@ -117,7 +131,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: RunConfig, device: torch
         reshard = fsdp.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **settings)
     fully_shard(model, reshard_after_forward=fsdp.reshard_after_forward, **settings)
+    sum_gradients_over_ranks(model)
     return model
+
+
+def sum_gradients_over_ranks(model: nn.Module) -> None:
+    """Every FSDP unit's reduce-scatter (and HSDP's all-reduce over the replicas) sums the gradients
+    instead of averaging them: each rank's loss is already its part of the global batch's mean (its loss
+    sum ÷ the global batch's scored targets). Plain SUM on the wire (no pre/post-scaling)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # each fully_shard call: its own unit, its own setting
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def evaluate_gathered(
@@ -237,6 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- FSDP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            scored = scored_targets(train_set, cfg, step)  # --- FSDP: of the whole batch, not this rank's
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
@@ -246,11 +275,12 @@ def main(argv: list[str] | None = None) -> dict:
                 # reduce-scatters, at the memory of a full set of gradients per rank meanwhile.
                 model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
                 with autocast(cfg, device):
-                    loss = loss_fn(model(x), y)
-                # --- FSDP: each micro-batch is 1/grad_accum of this rank's share; the reduce-scatter
-                # then averages over ranks: together, the mean over the whole global batch, as in single.
-                scaler.scale(loss / cfg.grad_accum).backward()
-                step_loss += loss.detach() / cfg.grad_accum
+                    loss = loss_sum(model(x), y) / scored
+                # The micro-batches' gradients add up to the global batch's, as one big batch gives.
+                # --- FSDP: and so do the ranks': the reduce-scatter sums them (apply_fsdp sets its divide
+                # factor to 1), where by default it would average them, dividing by the world size.
+                scaler.scale(loss).backward()
+                step_loss += loss.detach()
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -266,9 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                # --- FSDP: average the losses over ranks (one all-reduce for all pending steps), so
+                # --- FSDP: sum the ranks' parts of the loss (one all-reduce for all pending steps), so
                 # rank 0 reports the global-batch loss, not its own slice's.
-                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                log.flush(due.done, reduce=all_reduce_sum)
             if due.eval:
                 started = log.eval_starts()
                 # --- FSDP: each rank scores its shard of the test set with a plain copy of the gathered

@@ -36,7 +36,14 @@ from distref.cost.activations import part_bytes
 from distref.cost.memory import replicated
 from distref.cost.pipeline import boundary_bytes
 from distref.cost.pipeline import model_parallel as model_parallel_communication
-from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import (
+    DatasetInfo,
+    eval_batches,
+    load_dataset,
+    scored_targets,
+    steps_per_epoch,
+    train_loader,
+)
 from distref.distributed import (
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
@@ -69,7 +76,7 @@ from distref.training.device import (
 from distref.training.measure import IntervalTimer, model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import loss_fn, score
+from distref.training.steps import loss_sum, score
 from distref.training.traffic import TRAFFIC
 
 IMPL = "model_parallel"
@@ -172,9 +179,10 @@ def run_parts(parts: list[tuple[BlockModel, torch.device]], x: torch.Tensor) -> 
     return x
 
 
-def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler) -> torch.Tensor:
-    """Forward and backward of one micro-batch through this process's parts; returns its loss (0 on
-    ranks without the last part). The hand-offs below are what impls/pipeline's schedules automate."""
+def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler, scored: int) -> torch.Tensor:
+    """Forward and backward of one micro-batch through this process's parts; returns its part of the
+    step's loss (its loss sum / `scored`, the global batch's scored targets; 0 on ranks without the last
+    part). The hand-offs below are what impls/pipeline's schedules automate."""
     device = parts[-1][1]
     if links.before is None:
         inputs = x
@@ -185,9 +193,10 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler) -> torc
         outputs = run_parts(parts, inputs)
     if links.after is None:  # the last part: the loss, and backward from it
         with autocast(cfg, device):
-            loss = loss_fn(outputs, y.to(device))
-        # 1/grad_accum as in single: the last part's backward scales every part's gradients.
-        scaler.scale(loss / cfg.grad_accum).backward()
+            loss = loss_sum(outputs, y.to(device)) / scored
+        # As in single: the micro-batches' gradients add up to the global batch's (every part's, as
+        # the last part's backward carries the loss's scale back through the others).
+        scaler.scale(loss).backward()
     else:
         send_activation(outputs.detach(), links)
         with links.waiting.measure():
@@ -372,13 +381,17 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- MODEL PARALLEL: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            scored = scored_targets(train_set, cfg, step)
             step_loss = torch.zeros((), device=device)
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
                 # --- MODEL PARALLEL: this micro-batch through every part and back, one part
                 # working at a time; micro-batches one after another (no overlap: that is pipelining).
-                loss = train_micro_batch(parts, x, y, links, cfg, scaler)
-                step_loss += loss / cfg.grad_accum
+                loss = train_micro_batch(parts, x, y, links, cfg, scaler, scored)
+                step_loss += loss
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -57,8 +57,16 @@ from distref.cost import Predicted
 from distref.cost.activations import Action, one_stage_order, pipeline_rank
 from distref.cost.memory import replicated
 from distref.cost.pipeline import pipeline as pipeline_communication
-from distref.data import DatasetInfo, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import (
+    DatasetInfo,
+    eval_batches,
+    load_dataset,
+    scored_targets,
+    steps_per_epoch,
+    train_loader,
+)
 from distref.distributed import (
+    all_reduce_sum,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -95,7 +103,7 @@ from distref.training.device import (
 from distref.training.measure import IntervalTimer, SavedActivations, model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import loss_fn, score
+from distref.training.steps import loss_sum, score
 
 IMPL = "pipeline"
 VERSION = impl_version(__file__)
@@ -246,25 +254,37 @@ def build_schedule(
     mesh: PipelineMesh,
     options: PipelineOptions,
     device: torch.device,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[list[TimedStage], PipelineScheduleSingle | PipelineScheduleMulti]:
-    """This rank's PipelineStages (each timing its own work: the bubble) and the schedule that runs them."""
+    """This rank's PipelineStages (each timing its own work: the bubble) and the schedule that runs them,
+    `loss` on the last stage's micro-batches."""
     n_stages, pp_group, my_stages = mesh.n_stages, mesh.pp_group, mesh.my_stages
     timeline = ScheduleTimeline(device)  # this rank's work in a step, each stage's put on it (report)
     stages = [  # in the schedule's order for this rank
         TimedStage(stage_modules[s], s, n_stages, device, *examples[s], group=pp_group, timeline=timeline)
         for s in my_stages
     ]
-    # Each micro-batch's loss is its own mean; the schedule sums the micro-batch gradients and, with
-    # scale_grads=True, divides them by M once at the end: the mean over the pipeline's batch, as
-    # single --grad-accum M gets by dividing each loss by M. Dividing the loss here as well would
-    # shrink every gradient M-fold.
+    # The schedule sums the micro-batches' gradients. scale_grads=False: it would then divide them by M,
+    # which the loss's divisor (the global batch's scored targets, GlobalBatchMean) has already done.
     schedule = SCHEDULES[options.schedule](
         stages[0] if options.schedule in ONE_STAGE_PER_RANK else stages,
         n_microbatches=options.microbatches,
-        loss_fn=loss_fn,
-        scale_grads=True,
+        loss_fn=loss,
+        scale_grads=False,
     )
     return stages, schedule
+
+
+class GlobalBatchMean:
+    """The schedule's loss_fn: a micro-batch's loss *sum* over the scored targets of the whole global batch
+    (`scored`, set before each step), so that the micro-batches' and the pipelines' gradients add up to the
+    global batch's mean, as single's step computes it (not the mean of the micro-batches' means)."""
+
+    def __init__(self) -> None:
+        self.scored = 1
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_sum(logits, targets) / self.scored
 
 
 def run_schedule(
@@ -294,16 +314,14 @@ def run_schedule(
     return micro_losses
 
 
-def all_reduce_gradients(
-    parameters: Iterable[torch.nn.Parameter], dp_group: dist.ProcessGroup, dp: int
-) -> None:
-    """Average each gradient over the pipelines (the same stages, other data), once per step after the
-    schedule's last backward. (DDP-wrapped stages would do this overlapped, but in torch 2.13 they fail
+def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], dp_group: dist.ProcessGroup) -> None:
+    """Sum each gradient over the pipelines (the same stages, other data), once per step after the
+    schedule's last backward: each pipeline's loss is its part of the global batch's mean, so the sum is
+    the global batch's gradient. (DDP-wrapped stages would do this overlapped, but in torch 2.13 they fail
     with every schedule but 1F1B: `rebuilt parameter indices size is not same as original model
     parameters size`, DDP's reducer seeing a stage's backward run once per micro-batch.)"""
     for parameter in parameters:
-        dist.all_reduce(parameter.grad, group=dp_group)  # gloo has no AVG: sum, then divide
-        parameter.grad /= dp
+        dist.all_reduce(parameter.grad, group=dp_group)
 
 
 def broadcast_buffers(model: torch.nn.Module, dp_group: dist.ProcessGroup) -> None:
@@ -313,13 +331,6 @@ def broadcast_buffers(model: torch.nn.Module, dp_group: dist.ProcessGroup) -> No
     source = dist.get_global_rank(dp_group, 0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=source, group=dp_group)
-
-
-def mean_over_pipelines(losses: torch.Tensor, dp: int) -> torch.Tensor:
-    """The last stage's ranks hold the losses (zeros elsewhere): their sum over every rank, / dp, is the
-    mean over the pipelines."""
-    dist.all_reduce(losses)
-    return losses / dp
 
 
 @torch.no_grad()
@@ -554,7 +565,8 @@ def main(argv: list[str] | None = None) -> dict:
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
     stage_modules, examples, layout = cut_into_stages(model, cuts, cfg, mesh, micro_batch, device, is_main)
     model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
-    stages, schedule = build_schedule(stage_modules, examples, mesh, options, device)
+    loss = GlobalBatchMean()  # the schedule's loss_fn; its divisor set at each step
+    stages, schedule = build_schedule(stage_modules, examples, mesh, options, device, loss)
     saved_activations = SavedActivations(model.parameters())
     optimizer = make_optimizer(cfg, model.parameters())  # --- PIPELINE: this rank's parameters
     # --- end PIPELINE ---
@@ -596,6 +608,10 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- PIPELINE: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            loss.scored = scored_targets(train_set, cfg, step)  # --- PIPELINE: of every pipeline's batch
             # --- PIPELINE: the schedule runs every micro-batch's forward and backward on this rank's
             # stages, sending activations and their gradients to the neighbouring stages.
             x, y = next(batches)
@@ -608,11 +624,11 @@ def main(argv: list[str] | None = None) -> dict:
                 schedule, x, y, mesh, cfg, device, in_schedule, saved_activations, stages[0].timeline, step
             )
             if dp > 1:
-                all_reduce_gradients(model.parameters(), mesh.dp_group, dp)
+                all_reduce_gradients(model.parameters(), mesh.dp_group)
                 broadcast_buffers(model, mesh.dp_group)
             step_loss = torch.zeros((), device=device)
-            for loss in micro_losses:  # --- PIPELINE: summed as single --grad-accum M sums
-                step_loss += loss.detach() / n_micro
+            for micro_loss in micro_losses:  # --- PIPELINE: summed as single --grad-accum M sums
+                step_loss += micro_loss.detach()
             # --- end PIPELINE ---
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
@@ -629,8 +645,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                # --- PIPELINE: only the last stage's ranks hold the losses: the mean over the pipelines
-                log.flush(due.done, reduce=lambda losses: mean_over_pipelines(losses, dp))
+                # --- PIPELINE: only the last stage's ranks hold losses (zeros elsewhere), each pipeline's
+                # part of the global batch's mean: their sum over every rank is that mean
+                log.flush(due.done, reduce=all_reduce_sum)
             if due.eval:
                 started = log.eval_starts()
                 # --- PIPELINE: each pipeline scores its share of the test set through its stages;

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist  # --- TP ---
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -55,9 +55,17 @@ from distref.config import (
 from distref.cost import Predicted
 from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
-from distref.data import DatasetInfo, TensorData, eval_batches, load_dataset, steps_per_epoch, train_loader
+from distref.data import (
+    DatasetInfo,
+    TensorData,
+    eval_batches,
+    load_dataset,
+    scored_targets,
+    steps_per_epoch,
+    train_loader,
+)
 from distref.distributed import (
-    all_reduce_mean,
+    all_reduce_sum,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -88,7 +96,7 @@ from distref.training.device import (
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import evaluate, loss_fn
+from distref.training.steps import evaluate, loss_sum
 
 IMPL = "tensor_parallel"
 VERSION = impl_version(__file__)
@@ -186,7 +194,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     backward, its gradient reduce-scattered over the groups."""
     for block in model.children():
         fully_shard(block, mesh=dp_mesh)
-    return fully_shard(model, mesh=dp_mesh)
+    model = fully_shard(model, mesh=dp_mesh)
+    # Sum the gradients over the groups, not average them: each group's loss is already its part of the
+    # global batch's mean (its loss sum ÷ the global batch's scored targets). Plain SUM on the wire.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # each fully_shard call: its own unit, its own setting
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, options: TPOptions) -> nn.Module:
@@ -251,7 +266,7 @@ def evaluate_gathered(
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: a DTensor's local part (the loss under loss parallelism is a
-    replicated DTensor: every rank holds the whole mean), a plain tensor itself."""
+    replicated DTensor: every rank holds the whole loss), a plain tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -397,19 +412,24 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- TP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # The step's loss is the mean over every scored target of the whole global batch: each
+            # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
+            # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
+            scored = scored_targets(train_set, cfg, step)  # --- TP: of the whole batch, not the group's
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_accum):
                 x, y = next(micro_batches)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 if dp > 1:  # --- TP: reduce-scatter over the groups at the last micro-step only
                     model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
-                with parallel_loss():  # --- TP
+                with parallel_loss():  # --- TP: (the sum over vocabulary-split logits)
                     with autocast(cfg, device):
-                        loss = loss_fn(model(x), y)
-                    # --- TP: each micro-batch is 1/grad_accum of the group's share; FSDP averages over
-                    # the groups: together, the mean over the whole global batch, as in single.
-                    scaler.scale(loss / cfg.grad_accum).backward()
-                step_loss += local_part(loss).detach() / cfg.grad_accum
+                        loss = loss_sum(model(x), y) / scored
+                    # The micro-batches' gradients add up to the global batch's, as one big batch gives.
+                    # --- TP: and so do the groups': FSDP's reduce-scatter over them sums (apply_fsdp sets
+                    # its divide factor to 1), where by default it would average, ÷ the groups.
+                    scaler.scale(loss).backward()
+                step_loss += local_part(loss).detach()
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -425,9 +445,11 @@ def main(argv: list[str] | None = None) -> dict:
 
             due = cadence.after(step)
             if due.log:
-                # --- TP: average the losses over ranks (one all-reduce for all pending steps): the
-                # groups' slices give the global-batch loss (a group's ranks hold the same value).
-                log.flush(due.done, reduce=lambda losses: all_reduce_mean(losses, world_size))
+                # --- TP: sum the groups' parts of the loss over the data-parallel dimension (one
+                # all-reduce for all pending steps; a group's T ranks hold the same value): the global mean.
+                log.flush(
+                    due.done, reduce=lambda losses: all_reduce_sum(losses, mesh["dp_shard"].get_group())
+                )
             if due.eval:
                 started = log.eval_starts()
                 # --- TP: each rank scores its shard of the test set with a plain copy of the gathered

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 MODELS = ("lenet", "resnet18", "gpt")
 
 
-DATASETS = ("mnist", "fashion-mnist", "cifar10", "digits", "text", "synthetic")
+DATASETS = ("mnist", "fashion-mnist", "cifar10", "digits", "text", "synthetic", "masked")
 
 
 # Which datasets each model can train on (image classifiers vs the character-level transformer).
@@ -32,7 +32,7 @@ DATASETS = ("mnist", "fashion-mnist", "cifar10", "digits", "text", "synthetic")
 MODEL_DATASETS = {
     "lenet": ("mnist", "fashion-mnist", "digits", "synthetic"),
     "resnet18": ("mnist", "fashion-mnist", "cifar10", "digits", "synthetic"),
-    "gpt": ("text", "synthetic"),
+    "gpt": ("text", "synthetic", "masked"),
 }
 
 

@@ -25,8 +25,9 @@ runs at real sizes:
 
 What the fake backend cannot play, and what is done instead (same calls, same bytes):
 - its operations' futures hold nothing: DDP's reducer takes each bucket's all-reduce result from one
-  ("expected the hook result is either a Tensor or a TensorList found None"), so the same all-reduce is
-  issued from a comm hook (`all_reduce_bucket`); DDP's compression hooks (--comm-hook) are refused.
+  ("expected the hook result is either a Tensor or a TensorList found None"): impls/ddp's own comm hook
+  (`summing_hook`, the all-reduce as a sum) returns the bucket it reduced in place instead; DDP's
+  compression hooks (--comm-hook) are refused.
 - its recv delivers nothing: torch 2.13's pipeline schedules start with a vote among the stages
   (_warmup_p2p: each says whether its shapes are static, the product travels to the last stage and back),
   which then comes out "dynamic", and the shape exchange that follows unpickles nothing. Every stage has
@@ -410,19 +411,10 @@ def run_steps(
     return counts, states
 
 
-def all_reduce_bucket(state, bucket):  # (DDP checks a hook's annotations; here they would be strings)
-    """DDP's own all-reduce of a bucket (the reducer's: divide by the ranks, sum), as a comm hook: the
-    reducer takes its result from the all-reduce's future, which the fake backend leaves empty ("expected
-    the hook result is either a Tensor or a TensorList found None"). Same call, same bytes."""
-    buffer = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda _: buffer)
-
-
 def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
-    model = module.apply_ddp(build(shape, tensors, cfg), options, device, rank)
-    model.register_comm_hook(None, all_reduce_bucket)
+    model = module.apply_ddp(build(shape, tensors, cfg), options, device, rank)  # (its hook: the all-reduce)
     with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
@@ -558,15 +550,17 @@ def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Outcom
             model, cuts, cfg, mesh, x[:micro_batch], device, False
         )
         held = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
-        _, schedule = module.build_schedule(stage_modules, examples, mesh, options, device)
+        _, schedule = module.build_schedule(
+            stage_modules, examples, mesh, options, device, module.GlobalBatchMean()
+        )
         schedule._warmup_p2p = vote_static
         optimizer = make_optimizer(cfg, held.parameters())
         first, last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
 
-        def step() -> None:  # as impls/pipeline/train.py's run_schedule, then the --dp averaging
+        def step() -> None:  # as impls/pipeline/train.py's run_schedule, then the --dp sum
             schedule.step(*((x,) if first else ()), **({"target": x, "losses": []} if last else {}))
             if options.dp > 1:
-                module.all_reduce_gradients(held.parameters(), mesh.dp_group, options.dp)
+                module.all_reduce_gradients(held.parameters(), mesh.dp_group)
                 module.broadcast_buffers(held, mesh.dp_group)
 
         counts, states = run_steps(steps, step, optimizer, held.parameters)

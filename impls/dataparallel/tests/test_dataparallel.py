@@ -46,6 +46,14 @@ def test_model_states_and_activations_equal_the_formulas(dataparallel_train, ext
     check_activations_predicted(record)
 
 
+def test_masked_targets_with_accumulation_equal_plain_single(dataparallel_train, single_reference, tmp_path):
+    """gpt on masked targets (a sample scores 1 to 8 of its 16), --grad-accum 4: equal to plain single."""
+    args = [*parity_args("masked"), "--grad-accum", "4", "--save-final", str(tmp_path / "dp.pt")]
+    dataparallel_train.main(args)
+    final = torch.load(tmp_path / "dp.pt", weights_only=True)
+    assert max_relative_difference(final, single_reference("masked")) < PARITY_TOLERANCE
+
+
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_parity_with_single(grad_accum, dataparallel_train, single_reference, tmp_path):
     args = [*parity_args("lenet"), "--grad-accum", str(grad_accum), "--save-final", str(tmp_path / "dp.pt")]

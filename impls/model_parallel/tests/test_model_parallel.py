@@ -67,6 +67,8 @@ def run_mp(args: list[str], timeout: float = 300):
         ("gpt", ["--nproc-per-node", "4"], 1),
         ("lenet", ["--devices", "cpu,cpu"], 2),
         ("gpt", ["--devices", "cpu,cpu,cpu,cpu"], 1),
+        ("masked", ["--nproc-per-node", "2"], 4),  # 1 to 8 scored targets of 16: each micro-batch its own
+        ("masked", ["--devices", "cpu,cpu"], 2),
     ],
     ids=[
         "lenet-2-ranks",
@@ -75,6 +77,8 @@ def run_mp(args: list[str], timeout: float = 300):
         "gpt-4-ranks",
         "lenet-2-devices-accum",
         "gpt-4-devices",
+        "masked-2-ranks-accum4",
+        "masked-2-devices-accum2",
     ],
 )
 def test_bit_identical_to_single(model, form, grad_accum, single_reference, tmp_path):

@@ -9,6 +9,8 @@ import torch
 
 from distref.testing import (
     COST_RUN,
+    FP64_TOLERANCE,
+    PARITY_TOLERANCE,
     batchnorm_args,
     check_activations_predicted,
     check_model_states_predicted,
@@ -16,6 +18,7 @@ from distref.testing import (
     expected_time_to_target,
     max_relative_difference,
     mnist_convergence_args,
+    parity_args,
     skip_where_torchvision_cannot_serve,
 )
 
@@ -68,6 +71,53 @@ def test_grad_accumulation_equals_one_big_batch(single_train, tmp_path):
         )
     a1, a4 = (torch.load(tmp_path / f"accum{k}.pt", weights_only=True) for k in (1, 4))
     assert max_relative_difference(a4, a1) < 1e-5
+
+
+def test_split_steps_equal_plain_single_on_masked_targets(single_train, single_reference, tmp_path):
+    """The oracle of every split, checked: on masked targets (a sample scores 1 to 8 of its 16), single
+    --grad-accum K equals plain single: each micro-batch's loss sum is divided by the whole global batch's
+    count of scored targets. fp32 SGD within rounding; fp64 AdamW (which turns any other weighting into an
+    lr-sized step) within 1e-12. The mean of the micro-batches' own means was 3e-2 away (fp32 SGD)."""
+    plain = single_reference("masked")
+    for accum in (2, 4):
+        split = single_reference("masked", accum)
+        assert max_relative_difference(split, plain) < PARITY_TOLERANCE, f"--grad-accum {accum}"
+    fp64 = [*parity_args("masked"), "--precision", "fp64", "--optimizer", "adamw", "--lr", "1e-3"]
+    for accum in (1, 4):
+        single_train.main([*fp64, "--grad-accum", str(accum), "--save-final", str(tmp_path / f"a{accum}.pt")])
+    a1, a4 = (torch.load(tmp_path / f"a{k}.pt", weights_only=True) for k in (1, 4))
+    assert max_relative_difference(a4, a1) < FP64_TOLERANCE
+
+
+def test_the_step_is_the_mean_over_the_whole_batchs_scored_targets(single_train, tmp_path):
+    """single against a step computed here without its loop: the mean cross-entropy over the scored
+    targets of the whole global batch (torch's own mean), one SGD step. The recorded loss is that mean too,
+    with and without accumulation (not the mean of the micro-batches' means)."""
+    from distref.cli import parse_config
+    from distref.data import global_batch_indices, load_dataset
+    from distref.models import build_model
+    from distref.training import make_optimizer, seed_everything
+
+    args = [*parity_args("masked"), "--steps", "1", "--lr-schedule", "constant", "--log-every", "1"]
+    cfg = parse_config(args, "test")
+    train_set, _, info = load_dataset(cfg)
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model, info, cfg.gpt_layers)
+    optimizer = make_optimizer(cfg, model.parameters())
+    batch = global_batch_indices(len(train_set), cfg.global_batch_size, cfg.seed, 0)
+    x, y = train_set.x[batch], train_set.y[batch]
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    loss.backward()
+    optimizer.step()
+    scored = (y != -100).sum(1)
+    assert scored.min() < scored.max(), "the batch must score unevenly, or the test proves nothing"
+    for accum in (1, 4):
+        record = single_train.main(
+            [*args, "--grad-accum", str(accum), "--save-final", str(tmp_path / f"a{accum}.pt")]
+        )
+        assert record["steps"][0]["loss"] == pytest.approx(loss.item(), rel=1e-6), f"--grad-accum {accum}"
+        trained = torch.load(tmp_path / f"a{accum}.pt", weights_only=True)
+        assert max_relative_difference(trained, model.state_dict()) < 1e-6, f"--grad-accum {accum}"
 
 
 @pytest.mark.parametrize(

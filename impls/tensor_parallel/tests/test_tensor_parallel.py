@@ -66,6 +66,21 @@ CASES = {
 LR = {"sgd": "0.05", "adamw": "0.01"}
 
 
+@pytest.mark.parametrize(
+    ("world", "options"),
+    [(2, ["--grad-accum", "2"]), (4, ["--dp-shard", "2", "--tp", "2", "--grad-accum", "2"])],
+    ids=["tp2-loss-parallel-accum2", "dp2-tp2-accum2"],
+)
+def test_masked_targets_equal_plain_single(world, options, single_reference, tmp_path):
+    """gpt on masked targets (a sample scores 1 to 8 of its 16), micro-batches and data-parallel groups
+    scoring different numbers: equal to plain single, each micro-batch's loss (vocabulary-split under loss
+    parallel) summed over the global batch's scored targets, FSDP's reduce-scatter over the groups summing."""
+    run_tp(world, [*parity_args("masked"), *options, "--save-final", str(tmp_path / "f.pt")])
+    final = torch.load(tmp_path / "f.pt", weights_only=True)
+    diff = max_relative_difference(final, single_reference("masked"))
+    assert diff < PARITY_TOLERANCE, f"{diff:.2e} from plain single"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_parity_with_single_and_each_rank_holds_its_slice(case, single_reference, tmp_path):
     world, optimizer, options, precision = CASES[case]

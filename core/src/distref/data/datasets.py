@@ -122,6 +122,39 @@ def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["seq
     return make(n_train), make(n_test), DatasetInfo("synthetic", SEPARATOR + 1, (2 * length,), "sequence")
 
 
+PAD = SEPARATOR + 1  # input token after a shorter string's end (its targets are IGNORE_INDEX)
+
+
+def synthetic_masked(
+    max_length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["sequence"], n_test: int = 2000
+):
+    """`--dataset masked`, for `gpt`: the reversal task with strings of 1 to `max_length` digits, padded to
+    one length. Only the reversed digits are scored, so a sample scores 1 to `max_length` of its
+    2·max_length targets, unevenly, as padded batches, fine-tuning prompts and masked language models do.
+    It is the workload where a split step must take the mean over the global batch's scored targets: the
+    mean of the micro-batches' or ranks' own means weighs a micro-batch of 3 scored targets as one of 60.
+    """
+    g = torch.Generator().manual_seed(8765)
+    width = 2 * max_length + 1  # digits, separator, reversed digits: the longest sequence
+
+    def make(n: int):
+        length = torch.randint(1, max_length + 1, (n, 1), generator=g)
+        digits = torch.randint(0, 10, (n, max_length), generator=g)
+        position = torch.arange(width).expand(n, width)
+        reading, answering = position < length, (position > length) & (position <= 2 * length)
+        # position p < length reads digit p; position p in (length, 2·length] writes digit 2·length - p
+        digit = digits.gather(
+            1, torch.where(reading, position, 2 * length - position).clamp(0, max_length - 1)
+        )
+        seq = torch.where(reading | answering, digit, torch.where(position == length, SEPARATOR, PAD))
+        x, y = seq[:, :-1].clone(), seq[:, 1:].clone()
+        y[~answering[:, 1:]] = IGNORE_INDEX  # score the reversed digits only: `length` targets a sample
+        return TensorData(x, y)
+
+    info = DatasetInfo("masked", PAD + 1, (2 * max_length,), "sequence")
+    return make(n_train), make(n_test), info
+
+
 def own_dataset(spec: str) -> tuple[TensorData, TensorData, DatasetInfo]:
     """Your data: the function MODULE:FUNCTION, called without arguments, returns (train, test), each a
     map-style dataset (len() and [i]; a torch TensorDataset, a torchvision dataset, your own class) of
@@ -294,6 +327,9 @@ def sample_batch(cfg: RunConfig, n: int = 4) -> tuple[torch.Tensor, torch.Tensor
         vocab = len(set(read_text(Path(cfg.data_root))))
         tokens = torch.randint(0, vocab, (n, 65), generator=g)
         return tokens[:, :-1], tokens[:, 1:], DatasetInfo("text", vocab, (64,), "sequence")
+    if cfg.dataset == "masked":  # made, not read: its first samples
+        train, _, info = synthetic_masked()
+        return train.x[:n], train.y[:n], info
     info = NAMED_DATASET_SAMPLES[cfg.dataset]
     x = torch.randn(n, *info.input_shape, generator=g)
     return x, torch.randint(0, info.num_classes, (n,), generator=g), info
@@ -311,6 +347,8 @@ def train_set_size(cfg: RunConfig) -> int:
         return len(own_dataset(cfg.dataset)[0])
     if cfg.dataset == "synthetic":
         return SYNTHETIC_TRAIN_SIZES["sequence" if cfg.model == "gpt" else "image"]
+    if cfg.dataset == "masked":
+        return SYNTHETIC_TRAIN_SIZES["sequence"]
     if cfg.dataset == "text":
         return text_train_size(len(read_text(Path(cfg.data_root))))
     return TRAIN_SET_SIZES[cfg.dataset]
@@ -380,6 +418,8 @@ def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
         return load_digits_dataset()
     if cfg.dataset == "text":
         return load_text(root)
+    if cfg.dataset == "masked":
+        return synthetic_masked()
     if cfg.dataset == "synthetic":
         if cfg.model == "gpt":
             return synthetic_reverse()

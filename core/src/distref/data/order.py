@@ -9,6 +9,7 @@ the rank's part. `TensorData.__getitems__` hands the DataLoader a whole micro-ba
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 
@@ -38,8 +39,26 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, step: int) -> torch.Tensor:
     """The B training-set indices optimizer step `step` uses (any impl, any world size)."""
     epoch, index = divmod(step, steps_per_epoch(num_samples, global_batch_size))
-    perm = epoch_permutation(num_samples, seed, epoch)
+    perm = _permutation_of_epoch(num_samples, seed, epoch)
     return perm[index * global_batch_size : (index + 1) * global_batch_size]
+
+
+# The loop asks once per step; a permutation of 60,000 costs ~1 ms to draw (read-only: callers slice it).
+_permutation_of_epoch = functools.lru_cache(maxsize=2)(epoch_permutation)
+
+
+def scored_targets(dataset: TensorData, cfg: RunConfig, step: int) -> int:
+    """How many targets of optimizer step `step`'s whole global batch are scored (not IGNORE_INDEX): what
+    every impl divides the step's summed loss by, so that the loss is the mean over the global batch
+    however the batch is split over ranks and micro-batches (docs/parity.md, "One global batch, one loss").
+
+    Counted by each rank alone, no collective: every rank holds the whole dataset and the data order is a
+    function of (seed, step), so every rank gets the same number, and the step communicates nothing more
+    (the cost model's bytes are unchanged). In your own project, where a rank sees only its own samples,
+    one all_reduce of the local count gives the same number (torchtitan does that). At least 1: a batch
+    with nothing to score has loss 0 and no gradient, not 0/0."""
+    indices = global_batch_indices(len(dataset), cfg.global_batch_size, cfg.seed, step)
+    return max(int(dataset.scored_per_sample[indices].sum()), 1)
 
 
 def shard(

@@ -5,6 +5,7 @@ them (`DatasetInfo`), and the one error a dataset raises (`DataError`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -37,6 +38,12 @@ class TensorData(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]):
         idx = torch.as_tensor(indices)
         return self.x[idx], self.y[idx]
+
+    @functools.cached_property
+    def scored_per_sample(self) -> torch.Tensor:
+        """How many of each sample's targets are scored (not IGNORE_INDEX): 1 for a class label, up to the
+        sequence length for tokens. Counted once; `data.order.scored_targets` sums it over a step's batch."""
+        return (self.y != IGNORE_INDEX).reshape(len(self.y), -1).sum(1)
 
 
 def whole_batch(batch):

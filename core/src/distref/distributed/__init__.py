@@ -2,7 +2,7 @@
 (`process_group`), collectives (`collectives`), and cutting a model into parts (`partition`)."""
 
 from distref.distributed.collectives import (
-    all_reduce_mean,
+    all_reduce_sum,
     finish_record,
     gather_to_rank0,
     recv_tensor,
@@ -28,7 +28,7 @@ from distref.distributed.process_group import (
 __all__ = [
     "SHUTDOWN_TIMEOUT_S",
     "SILENT_RANK_WAIT_S",
-    "all_reduce_mean",
+    "all_reduce_sum",
     "destroy_process_group_on_exit",
     "exit_without_interpreter_teardown",
     "finish_record",

@@ -51,10 +51,10 @@ def gather_to_rank0(obj: Any, world_size: int) -> list:
     return gathered or []
 
 
-def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    """In-place mean across ranks. (gloo has no ReduceOp.AVG, so SUM then divide.)"""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    tensor /= world_size
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In place, the sum over the ranks (of `group`; default every rank). Each rank's step loss is its part
+    of the global batch's mean (its loss sum / the global count of scored targets): the sum is the mean."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 

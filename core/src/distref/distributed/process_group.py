@@ -73,8 +73,11 @@ SILENT_RANK_WAIT_S = 3.0  # how long ranks that timed out wait to hear from each
 
 
 def is_collective_timeout(exc: BaseException) -> bool:
-    """gloo: `Timed out waiting 30000ms for recv operation to complete`; NCCL's watchdog: `... timed out`."""
-    return isinstance(exc, RuntimeError) and "timed out" in str(exc).lower()
+    """gloo: `Timed out waiting 30000ms for recv operation to complete`, or `Application timeout caused pair
+    closure` where an earlier operation on the pair timed out (an async all-reduce of DDP's comm hook);
+    NCCL's watchdog: `... timed out`."""
+    said = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in said or "application timeout" in said)
 
 
 def silent_ranks(store: dist.Store, rank: int, world_size: int, wait_s: float) -> list[int]:

@@ -48,7 +48,7 @@ from distref.training.measure import (
 )
 from distref.training.monitor import profiler, progress_bar, tensorboard_writer
 from distref.training.optim import lr_factor, make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import TrainingDiverged, evaluate, loss_fn, score, stop_if_diverged
+from distref.training.steps import TrainingDiverged, evaluate, loss_fn, loss_sum, score, stop_if_diverged
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -79,6 +79,7 @@ __all__ = [
     "load_checkpoint",
     "load_sharded_checkpoint",
     "loss_fn",
+    "loss_sum",
     "lr_factor",
     "make_grad_scaler",
     "make_lr_schedule",

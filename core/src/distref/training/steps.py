@@ -38,8 +38,18 @@ def stop_if_diverged(losses: list[float], first_step: int, cfg: RunConfig, prog:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every scored target (class labels, or tokens other than IGNORE_INDEX)."""
+    """Mean cross-entropy over every scored target (class labels, or tokens other than IGNORE_INDEX) of
+    this one batch. Training divides `loss_sum` by the whole global batch's count instead (see there)."""
     return F.cross_entropy(at_least_fp32(logits.flatten(0, -2)), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over every scored target of a (micro-)batch. Each impl divides it by the global
+    batch's count of scored targets (`distref.data.scored_targets`): the step's loss is then the mean over
+    the whole global batch, however it is split, as the mean of per-micro-batch or per-rank means is not
+    when the micro-batches score different numbers of targets (padding, prompts, masked tokens)."""
+    flat_logits, flat_targets = at_least_fp32(logits.flatten(0, -2)), targets.flatten()
+    return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
