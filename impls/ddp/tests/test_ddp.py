@@ -135,6 +135,21 @@ def test_compression_hooks_train_close_to_single(hook, bound, single_train, tmp_
     assert 10 * PARITY_TOLERANCE < diff < bound, diff  # compressed: measurably not exact, yet close
 
 
+def test_powersgd_result_is_multiplied_back_into_a_sum(monkeypatch):
+    """PowerSGD averages inside its hook (no option to sum); ddp wraps it to multiply the result back by
+    the world size. (PowerSGD itself runs only on NCCL: refused on gloo, below.)"""
+    ddp = load_train_module("ddp")
+    monkeypatch.setattr(ddp.dist, "get_world_size", lambda group=None: 3)
+
+    def averaging_hook(state, bucket):  # three ranks holding this same gradient: their mean is it
+        done = torch.futures.Future()
+        done.set_result((bucket + bucket + bucket) / 3)
+        return done
+
+    summed = ddp.times_world_size(averaging_hook)(None, torch.full((4,), 2.0))
+    assert torch.equal(summed.wait(), torch.full((4,), 6.0))  # the three ranks' sum
+
+
 def test_powersgd_is_refused_on_cpu_before_training():
     result = launch(
         2, "ddp", ["--comm-hook", "powersgd", "--device", "cpu", "--dataset", "synthetic"], timeout=120

@@ -40,10 +40,10 @@ def global_batch_indices(num_samples: int, global_batch_size: int, seed: int, st
     """The B training-set indices optimizer step `step` uses (any impl, any world size)."""
     epoch, index = divmod(step, steps_per_epoch(num_samples, global_batch_size))
     perm = _permutation_of_epoch(num_samples, seed, epoch)
-    return perm[index * global_batch_size : (index + 1) * global_batch_size]
+    return perm[index * global_batch_size : (index + 1) * global_batch_size].clone()  # (not a view of it)
 
 
-# The loop asks once per step; a permutation of 60,000 costs ~1 ms to draw (read-only: callers slice it).
+# The loop asks once per step; a permutation of 60,000 costs ~1 ms to draw.
 _permutation_of_epoch = functools.lru_cache(maxsize=2)(epoch_permutation)
 
 
