@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
 import textwrap
@@ -178,6 +179,13 @@ MINE = textwrap.dedent('''
         return TensorDataset(x, y), TensorDataset(x, y)
 
 
+    def first_unscored():
+        """Its first samples score nothing (targets -100, as padding): their mean loss is 0/0."""
+        x, y = _tensors()
+        y[:8] = -100
+        return TensorDataset(x, y), TensorDataset(x, y)
+
+
     def words():
         return [("a sentence", 0)] * 8, [("another", 1)] * 8
 
@@ -337,6 +345,16 @@ def test_a_module_used_twice_is_applied_twice(project):
     assert torch.equal(ours(x), theirs(x))
     assert [name for name, _ in ours.named_children()] == ["0", "1", "2", "3", "4"]
     load_train_module("pipeline").parse_options(["--model", "mine:shared_relu", *ON_MINE], 2)  # accepted
+
+
+def test_a_dataset_whose_first_samples_score_nothing_trains(project):
+    """The contract check tries the loss as training takes it (a sum over scored targets, 0 for none),
+    not a mean (0/0 = nan: it refused this valid dataset). Global batches of 2 include ones that score
+    nothing: their loss is 0, the run completes."""
+    args = ["--model", "mine:mlp", "--dataset", "mine:first_unscored", "--global-batch-size", "2"]
+    record = load_train_module("single").main([*args, "--steps", "60", "--log-every", "1"])
+    losses = [step["loss"] for step in record["steps"]]
+    assert record["status"] == "completed" and all(math.isfinite(loss) for loss in losses)
 
 
 def test_your_dataset_as_tensors_and_info(project):

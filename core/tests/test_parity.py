@@ -102,3 +102,24 @@ def test_the_matrix_marks_a_failure():
     assert "| ddp | – | 2 | 1 | 3.0e-08 ✓ |  |" in table and "2.0e-03 **FAIL**" in table
     assert "| ddp | – | 3 | 1 |  | n/a (3 micro-batch sums) |" in table
     assert "2 runs compared, 1 failed" in table
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["with-masked-rows", "no-masked"])
+def test_the_matrix_runs_every_row_again_on_masked_targets(masked, tmp_path, monkeypatch):
+    """The plan of the matrix (its runs replaced by failures, so nothing trains): every impl's rows, then
+    the same on gpt with --dataset masked, whose fp32 AdamW cells defer to fp64; --no-masked drops them."""
+    import json
+
+    from distref import parity
+
+    monkeypatch.setattr(parity, "run", lambda command, log: 1)
+    argv = ["--impls", "ddp", "--impls-dir", str(ROOT / "impls"), "--out", str(tmp_path)]
+    assert parity.main([*argv, *([] if masked else ["--no-masked"])]) == 1  # (every run "failed")
+    cells = json.loads((tmp_path / "parity.json").read_text())
+    options = {cell["row"][1] for cell in cells}
+    assert options == ({"", "--model gpt --dataset masked"} if masked else {""})
+    for cell in cells:
+        on_masked = cell["row"][1] == "--model gpt --dataset masked"
+        assert ("masked" in cell["args"]) == on_masked
+        if on_masked and cell["column"] == ["fp32", "adamw"]:
+            assert cell["skip"].startswith("gpt AdamW amplifies fp32 rounding")

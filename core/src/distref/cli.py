@@ -448,7 +448,7 @@ def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
     import torch
 
     from distref.models import BlockModel, build_model
-    from distref.training.steps import loss_fn
+    from distref.training.steps import loss_sum
 
     try:
         x, y, info = sample_batch(cfg)
@@ -459,7 +459,7 @@ def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
     try:
         with torch.no_grad():
             logits = model.eval()(x)
-            loss = loss_fn(logits, y)
+            loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
     except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
         return (
             f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "

@@ -57,6 +57,10 @@ COLUMNS = [("fp32", "sgd"), ("fp32", "adamw"), ("fp64", "sgd"), ("fp64", "adamw"
 # 16 targets. There a split step equals single only if its loss is the mean over the global batch's scored
 # targets (docs/parity.md, "One global batch, one loss"); on lenet's class labels any split weighs alike.
 MASKED_WORKLOAD = ("--model", "gpt", "--dataset", "masked")
+# gpt with AdamW turns fp32 rounding (the ranks' sums in another order) into lr-sized differences between two
+# correct runs (distref.testing.workloads): ddp ×4 --grad-accum 2 came within 8.2e-6 of single --grad-accum
+# 8 after 4 steps, and 1e-5 is no margin. Its fp64 column is the proof.
+MASKED_FP32_ADAMW = "gpt AdamW amplifies fp32 rounding: not exact in fp32 (fp64 column)"
 
 
 def parity_settings(impl_dir: Path) -> dict:
@@ -249,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                         ]
                         case += [settings["accumulation"], str(accum)]
                         reference, tolerance = oracle(impl, settings, world, accum, precision, optimizer)
+                        if model == MASKED_WORKLOAD and (precision, optimizer) == ("fp32", "adamw"):
+                            reference, tolerance = None, MASKED_FP32_ADAMW
                         cell = {"row": row, "column": (precision, optimizer), "args": case}
                         if reference is None:
                             cells.append({**cell, "skip": tolerance})
@@ -346,7 +352,9 @@ def render(cells: list[dict], run_args: list[str], seconds: float) -> str:
         f"Max relative difference of every parameter after the run (`{' '.join(run_args)}`) against single: "
         f"plain single in fp64 (tolerance {FP64_TOLERANCE:g}) and for fp32 SGD ({FP32_TOLERANCE:g}); for "
         f"fp32 AdamW, single `--grad-accum S` with the impl's S micro-batch sums ({FP32_TOLERANCE:g}, "
-        "where S is a power of two). accum: --grad-accum, or pipeline's --microbatches.",
+        "where S is a power of two). accum: --grad-accum, or pipeline's --microbatches. The rows with "
+        f"`{' '.join(MASKED_WORKLOAD)}` train on masked targets (a sample scores 1 to 8 of its 16): there a "
+        "split equals single only if its loss is the mean over the global batch's scored targets.",
         "",
         header,
         "|" + "---|" * (4 + len(COLUMNS)),
