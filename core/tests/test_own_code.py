@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from distref.data import own_dataset
-from distref.data.datasets import OWN_DATA_VARIABLE, fingerprint
 from distref.models import BlockModel, build_model
 from distref.testing import count_block_calls, load_train_module, run_ranks, run_script, train_path
 
 MINE = textwrap.dedent('''
     """A project's own models and datasets, as a user writes them."""
+    import os
     from collections import OrderedDict
 
     import numpy as np
@@ -190,6 +190,62 @@ MINE = textwrap.dedent('''
         return [("a sentence", 0)] * 8, [("another", 1)] * 8
 
 
+    def slow_on_rank_1():
+        import time
+
+        if os.environ.get("RANK") == "1":
+            time.sleep(8)
+        return data()
+
+
+    def unseeded():
+        """Initial weights from the clock: each rank builds other ones."""
+        torch.seed()
+        return dropout_mlp()
+
+
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.spare = nn.Linear(16, 32), nn.Linear(32, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+    def with_unused():
+        return WithUnused()
+
+
+    class MaskProbe(nn.Module):
+        """Dropout that keeps the masks it drew, one file per rank and step, in $MASKS."""
+
+        def __init__(self, name):
+            super().__init__()
+            self.name, self.calls = name, 0
+
+        def forward(self, x):
+            out = nn.functional.dropout(x, 0.5, self.training)
+            if self.training and "MASKS" in os.environ and not x.is_meta:  # (meta: the cost model's trace)
+                rank = os.environ.get("RANK", "0")
+                torch.save(out != 0, f"{os.environ['MASKS']}/{self.name}-{rank}-{self.calls}.pt")
+                self.calls += 1
+            return out
+
+
+    def dropout_mlp():
+        """Megatron's MLP with dropout inside the split (hidden units: each rank its own) and after it
+        (whole on every rank of a tensor-parallel group)."""
+        model = nn.Sequential(
+            OrderedDict(
+                fc1=nn.Linear(16, 32), inner=MaskProbe("inner"), fc2=nn.Linear(32, 16),
+                outer=MaskProbe("outer"), out=nn.Linear(16, 4),
+            )
+        )
+        model.tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
+        return model
+
+
     def ragged():
         return [(torch.zeros(16), 0), (torch.zeros(15), 1)], [(torch.zeros(16), 0)]
 ''')
@@ -312,26 +368,182 @@ def test_your_model_and_data_train_from_the_folder_you_run_in(project):
 
 def test_ranks_import_your_functions_and_the_cut_is_of_your_model(project):
     """pipeline's ranks, started in the project's folder (as torchrun starts them there): each imports
-    mine.py and reads the same data as this process, the launcher here (shuffled by numpy's random
-    numbers, seeded for the call: each rank checks the sha256 the launcher passes on); the stages are cut
-    from the model built (3 blocks, not lenet's 4)."""
-    read = f"mine:numpy_shuffled {fingerprint(*own_dataset('mine:numpy_shuffled')[:2])}"
+    mine.py and reads the same data (shuffled by numpy's random numbers, seeded for the call: the ranks'
+    sha256 agree); the stages are cut from the model built (3 blocks, not lenet's 4)."""
     args = ["--model", "mine:mlp", "--dataset", "mine:numpy_shuffled", "--steps", "4"]
-    env = {**os.environ, OWN_DATA_VARIABLE: read}
-    result = run_ranks(2, str(train_path("pipeline")), args, env=env, timeout=120, cwd=project)
+    result = run_ranks(2, str(train_path("pipeline")), args, env=dict(os.environ), timeout=120, cwd=project)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "cut at [1] (balancing parameter counts): fc1 | act,fc2" in result.stdout
 
 
-def test_a_rank_that_reads_other_data_than_the_launcher_says_so(project):
-    """A dataset function that returns other samples in each process would train each rank on other
-    data without a word: each rank checks its data's sha256 against the launcher's."""
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("impl", "args", "said"),
+    [
+        ("ddp", ["--dataset", "mine:other_in_each_process"], "the ranks read different data (rank 0: sha256"),
+        ("pipeline", ["--dataset", "mine:other_in_each_process"], "other_in_each_process() must return"),
+        ("fsdp", ["--model", "mine:unseeded"], "the ranks built different initial parameters (rank 0"),
+        ("tensor_parallel", ["--model", "mine:unseeded"], "unseeded() must build the same model"),
+    ],
+)
+def test_ranks_that_read_other_data_or_built_other_models_say_so_on_every_launch_path(
+    impl, args, said, project
+):
+    """A dataset or model function that gives each process other samples or weights would train each
+    rank on other data, or assemble one model from several, without a word: the ranks compare sha256s
+    in one all-gather, under torchrun's ranks (here forked as torchrun starts them: no launcher checked
+    anything) as under `python train.py`. One line, from rank 0."""
+    full = {"--model": "mine:dropout_mlp", "--dataset": "mine:data"}
+    full.update(zip(args[::2], args[1::2], strict=True))
+    argv = [*(token for pair in full.items() for token in pair), "--steps", "2"]
+    result = run_ranks(2, str(train_path(impl)), argv, env=dict(os.environ), timeout=120, cwd=project)
+    # (run_ranks says 1 for any failed rank; `python train.py` passes a rank's 2 on: the test below)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    said_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(said_lines) == 1 and said in said_lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_the_launcher_s_ranks_check_their_data_too_and_it_keeps_no_copy(project, monkeypatch):
+    """`python train.py --nproc-per-node 2`: the same one line; and the launcher, which read the dataset
+    to check the options, lets its copy go before it waits for the ranks."""
     args = ["--model", "mine:mlp", "--dataset", "mine:other_in_each_process", "--steps", "2"]
     result = run_script([sys.executable, str(train_path("ddp")), *args], cwd=project, timeout=120)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     said = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert said and all("read other data than the launcher did" in line for line in said), said
+    assert len(said) == 1 and "the ranks read different data" in said[0], said
     assert "Traceback" not in result.stderr
+
+    import torch.distributed.run
+
+    from distref.data import datasets
+    from distref.distributed import launch
+
+    kept = {}
+    monkeypatch.setattr(torch.distributed.run, "run", lambda _args: kept.update(datasets._OWN_DATASETS))
+    argv = ["--model", "mine:mlp", "--dataset", "mine:data", "--nproc-per-node", "2"]
+    cfg = load_train_module("ddp").parse_options(argv)
+    assert datasets._OWN_DATASETS  # (read by the checks)
+    with pytest.raises(SystemExit):
+        launch.launch_ranks(str(train_path("ddp")), argv, cfg, "ddp")
+    assert kept == {}
+
+
+@pytest.mark.faults
+def test_a_rank_slow_to_read_its_data_is_named_in_one_line_once_the_timeout_passes(project):
+    """Each rank reads (and checks) the data before it joins the others: one that takes longer than
+    --timeout ended the job in a DistStoreError traceback from init_process_group."""
+    args = ["--model", "mine:mlp", "--dataset", "mine:slow_on_rank_1", "--steps", "2", "--timeout", "2"]
+    result = run_ranks(2, str(train_path("ddp")), args, env=dict(os.environ), timeout=120, cwd=project)
+    assert result.returncode == 1
+    said = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(said) == 1, result.stderr[-2000:]
+    assert "rank 0 waited 2 s (--timeout) for rank 1 to start and gave up" in said[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_ddp_trains_a_model_with_an_unused_parameter_as_single_does(project, tmp_path):
+    """DDP's reducer waits for every parameter's gradient: a parameter the loss never reaches ended step 2
+    in `Expected to have finished reduction` on every rank. Found before training (a forward and backward
+    on the meta device), named, and DDP told to look for it (find_unused_parameters); its gradient stays
+    None, so SGD leaves it as single does."""
+    args = ["--model", "mine:with_unused", "--dataset", "mine:data", "--steps", "3", "--optimizer", "sgd"]
+    args += ["--global-batch-size", "32"]
+    result = run_ranks(
+        2,
+        str(train_path("ddp")),
+        [*args, "--save-final", str(tmp_path / "ddp.pt")],
+        env=dict(os.environ),
+        timeout=120,
+        cwd=project,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ddp: spare.weight, spare.bias not used by the loss: DDP looks for unused" in result.stdout
+    load_train_module("single").main([*args, "--save-final", str(tmp_path / "single.pt")])
+    ddp, single = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("ddp", "single"))
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_fingerprint_covers_every_value_buffers_and_zero_dim_ones_included():
+    from distref.distributed.agreement import state_fingerprint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))  # num_batches_tracked: 0-dim
+    before = state_fingerprint(model.state_dict().items())
+    assert before == state_fingerprint(model.state_dict().items())
+    model[1].num_batches_tracked += 1
+    assert state_fingerprint(model.state_dict().items()) != before
+    model[1].num_batches_tracked -= 1
+    with torch.no_grad():
+        model[0].weight[2, 1] += 1e-7
+    assert state_fingerprint(model.state_dict().items()) != before
+
+
+def read_masks(folder, name: str, rank: int, call: int) -> torch.Tensor:
+    return torch.load(folder / f"{name}-{rank}-{call}.pt", weights_only=True)
+
+
+def test_dropout_masks_are_each_rank_s_own_where_ranks_hold_other_data(project):
+    """DDP: each rank's samples draw their own masks (seeded alike and never again, sample i of every rank
+    got one mask); and a step's masks are a function of (seed, step): the same in a run of 2 steps as in
+    the first 2 of 3."""
+    masks = project / "masks"
+    masks.mkdir()
+    args = ["--model", "mine:dropout_mlp", "--dataset", "mine:data", "--global-batch-size", "16"]
+    for steps in ("2", "3"):
+        result = run_ranks(
+            2,
+            str(train_path("ddp")),
+            [*args, "--steps", steps],
+            env={**os.environ, "MASKS": str(masks)},
+            timeout=120,
+            cwd=project,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        if steps == "2":
+            first = {rank: read_masks(masks, "inner", rank, 1) for rank in (0, 1)}
+    assert first[0].shape == (8, 32)
+    assert (first[0] == first[1]).float().mean() < 0.75  # independent: about half agree, not all
+    assert torch.equal(first[0], read_masks(masks, "inner", 0, 1))  # step 1 again, in the 3-step run
+    assert not torch.equal(read_masks(masks, "inner", 0, 1), read_masks(masks, "inner", 0, 2))
+
+
+@pytest.mark.parametrize("world, dp_shard", [(2, 1), (4, 2)])
+def test_tensor_parallel_masks_differ_inside_the_split_and_agree_outside_it(world, dp_shard, project):
+    """Megatron's two streams: inside the split (fc1 colwise → fc2 rowwise) each rank holds other hidden
+    units, whose masks must be independent (seeded alike, units j and j+16 got one mask); after the
+    rowwise layer the activation is whole on every rank of a tensor-parallel group, whose masks must be
+    equal; data-parallel groups (--dp-shard) hold other samples, whose masks must be independent."""
+    masks = project / "masks"
+    masks.mkdir()
+    args = [
+        "--model",
+        "mine:dropout_mlp",
+        "--dataset",
+        "mine:data",
+        "--steps",
+        "2",
+        "--global-batch-size",
+        "16",
+    ]
+    result = run_ranks(
+        world,
+        str(train_path("tensor_parallel")),
+        [*args, "--dp-shard", str(dp_shard)],
+        env={**os.environ, "MASKS": str(masks)},
+        timeout=120,
+        cwd=project,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for call in (0, 1):
+        inner = [read_masks(masks, "inner", rank, call) for rank in range(world)]
+        outer = [read_masks(masks, "outer", rank, call) for rank in range(world)]
+        assert inner[0].shape == (16 // dp_shard, 16)  # this group's samples, this rank's 16 of 32 units
+        assert (inner[0] == inner[1]).float().mean() < 0.75
+        assert torch.equal(outer[0], outer[1])
+        if dp_shard > 1:
+            assert (outer[0] == outer[2]).float().mean() < 0.75  # (ranks 2, 3: the second group)
 
 
 def test_a_module_used_twice_is_applied_twice(project):
@@ -363,6 +575,26 @@ def test_your_dataset_as_tensors_and_info(project):
     assert (info.name, info.num_classes, info.input_shape, info.kind) == ("mine:own_class", 4, (16,), "image")
     x, y = sys.modules["mine"]._tensors()
     assert torch.equal(train.x, x[:192]) and torch.equal(test.y, y[192:])  # the pairs, in order
+
+
+def test_a_dataset_read_item_by_item_is_stacked_in_chunks_and_a_tensor_dataset_taken_as_is(monkeypatch):
+    """Items are stacked STACKED_AT_ONCE at a time (all at once, a tensor object per item, 1M items of 16
+    floats peaked at 1.3 GB for 64 MB of data): every item lands in its place across the chunks, and a
+    shape that differs in a later chunk is still said. A TensorDataset's own tensors are used as they are."""
+    from torch.utils.data import TensorDataset
+
+    from distref.data import datasets
+
+    monkeypatch.setattr(datasets, "STACKED_AT_ONCE", 7)
+    x, y = torch.randn(30, 3), torch.arange(30) % 4
+    pairs = [(x[i].clone(), int(y[i])) for i in range(30)]
+    read = datasets.as_tensors(pairs, "pairs")
+    assert torch.equal(read.x, x) and torch.equal(read.y, y)
+    pairs[20] = (torch.zeros(2), 0)
+    with pytest.raises(datasets.DataError, match="inputs of several shapes"):
+        datasets.as_tensors(pairs, "pairs")
+    taken = datasets.as_tensors(TensorDataset(x, y), "tensors")
+    assert taken.x.data_ptr() == x.data_ptr() and torch.equal(taken.y, y)
 
 
 def test_activation_checkpointing_recomputes_the_blocks_of_your_sequential(project):

@@ -15,11 +15,11 @@ import torch
 
 from distref import plan
 from distref.cost import activations as act
-from distref.distributed.partition import balanced_cut_points, part_bounds
-from distref.models import gpt
+from distref.distributed.partition import MODEL_DATASETS, balanced_cut_points, part_bounds
+from distref.models import build_model, gpt
 from distref.plan.cli import parse_args, resolve_model
 from distref.plan.cluster import GPUS, Cluster, Training
-from distref.plan.costing import cost, minimax_cut, order_world, schedule_orders, step_flops, unit_shapes
+from distref.plan.costing import cost, cut_bounds, order_world, schedule_orders, step_flops, unit_shapes
 from distref.plan.layouts import Layout, layouts
 from distref.plan.model import MODELS, decoder, flops_measured, parameters_only, project_model
 from distref.plan.ranking import make_plan
@@ -110,7 +110,7 @@ def test_a_pipeline_s_memory_follows_its_schedule():
     cluster = Cluster(GPUS["h100-80gb"], 8)
     training = Training(32, 1, "fp32", "adamw", False, 0.4)
     blocks, loss = model.formula(4, False)
-    bounds = minimax_cut(model.block_parameters, 8)
+    bounds = cut_bounds(model, 8)
 
     def stage(r: int) -> int:  # one micro-batch's activations on stage r
         first, last = bounds[r]
@@ -137,16 +137,21 @@ def test_the_decoder_flops_formula_agrees_with_torch_s_counter():
         assert decoder("x", shape).flops_per_sample == pytest.approx(counted, rel=0.02)
 
 
-def test_the_balanced_cut_is_the_impls_by_dynamic_programming():
-    """The largest part as small as impls/pipeline's cut by trying every cut makes it."""
-    sizes = [5, 1, 9, 2, 2, 7, 3, 8]
-    for parts in range(1, len(sizes) + 1):
-        bounds = minimax_cut(sizes, parts)
-        assert [a for a, _ in bounds] == [0, *(z for _, z in bounds[:-1])] and bounds[-1][1] == len(sizes)
-        theirs = (
-            part_bounds(balanced_cut_points(sizes, parts), len(sizes)) if parts > 1 else [(0, len(sizes))]
-        )
-        assert max(sum(sizes[a:z]) for a, z in bounds) == max(sum(sizes[a:z]) for a, z in theirs)
+def test_the_balanced_cut_is_the_best_and_the_earliest_of_the_best():
+    """The impls' cut, which the plan calls too: of every cut into parts that each hold parameters, one
+    whose largest part is the smallest, and of several such (ties), the earliest cuts. resnet18 in 4
+    stages: layer4 alone is the largest part, and the cuts before it come as early as they can."""
+    sizes = [5, 1, 9, 2, 2, 7, 3, 8, 0, 9]
+    for parts in range(2, len(sizes)):
+        every = [
+            list(cuts)
+            for cuts in itertools.combinations(range(1, len(sizes)), parts - 1)
+            if all(sum(sizes[a:z]) for a, z in part_bounds(list(cuts), len(sizes)))
+        ]
+        largest = {tuple(c): max(sum(sizes[a:z]) for a, z in part_bounds(c, len(sizes))) for c in every}
+        best = min(largest.values())
+        assert balanced_cut_points(sizes, parts) == min(c for c in every if largest[tuple(c)] == best)
+    assert [a for a, _ in cut_bounds(project_model("resnet18"), 4)] == [0, 1, 4, 5]
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "dualpipev"])
@@ -200,6 +205,25 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
         (["--model", "125m", "--simulate", "999"], "--simulate 999: the plan has"),
         (["--model", "7b", "--gpus", "32", "--tp", "3"], "--tp 3 does not divide the 32 GPUs"),
         (["--model", "7b", "--tp", "2", "--pp", "2"], "no impl here combines tensor and pipeline"),
+        (["--model", "7b", "--memory-gb", "1e300"], "argument --memory-gb: 1e300 is too large"),
+        (["--model", "7b", "--peak-tflops", "1e300"], "argument --peak-tflops: 1e300 is too large"),
+        (["--model", "125m", "--plot", "/nonexistent/plan.png"], "--plot /nonexistent/plan.png: no folder"),
+        (
+            ["--model", "125m", "--plot", "plan.xyz"],
+            "--plot plan.xyz: name a file ending in one of .",
+        ),
+        (["--model", ":mlp"], "--model :mlp: give MODULE:FUNCTION"),
+        # contradictions: options that would be ignored
+        (
+            ["--model", "125m", "--micro-batch", "2", "--grad-accum", "4"],
+            "--micro-batch or --grad-accum, not both",
+        ),
+        (["--model", "125m", "--json", "--md"], "argument --md: not allowed with argument --json"),
+        (["--model", "125m", "--sample-shape", "16"], "--sample-shape describes a module:function's input"),
+        (["--model", "125m", "--tokens"], "--tokens describes a module:function's input"),
+        (["--model", "mymodel:build", "--tokens"], "--tokens needs --sample-shape T"),
+        (["--model", "lenet", "--seq", "64"], "--seq is a decoder preset's"),
+        (["--validate", "runs/x", "--gpus", "8"], "it takes no --gpus"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, said, capsys):
@@ -218,6 +242,38 @@ def test_the_command_line_says_it_in_one_line_and_exits_2():
         [sys.executable, "-m", "distref.plan", "--model", "9b"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "unknown model '9b'" in done.stderr
+
+
+def test_a_reader_gone_away_ends_the_plan_quietly():
+    """`python -m distref.plan ... --json | head -1`: the reader closes the pipe before the plan is
+    written; the plan ends as Unix tools do, without a traceback (nor torch's "[rank0]:" before each line,
+    which every fake process group the schedules are built on added once more)."""
+    plan_process = subprocess.Popen(
+        [sys.executable, "-m", "distref.plan", "--model", "125m", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    plan_process.stdout.close()
+    err = plan_process.stderr.read()
+    assert plan_process.wait(timeout=120) == 141 and err == ""
+
+
+def test_building_a_schedule_s_order_leaves_the_excepthook_as_it_was():
+    hook = sys.excepthook
+    schedule_orders.cache_clear()
+    schedule_orders("zbv", 2, 4)
+    assert sys.excepthook is hook
+
+
+def test_an_error_of_your_model_in_several_lines_is_said_in_one(tmp_path, monkeypatch, capsys):
+    (tmp_path / "twolines.py").write_text(
+        "def build():\n    raise ValueError('the first line\\nthe second line')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert plan.main(["--model", "twolines:build"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ValueError: the first line the second line" in err, err
 
 
 def test_project_models_and_any_module_are_planned(capsys, tmp_path, monkeypatch):
@@ -298,3 +354,28 @@ def test_what_runs_after_the_backward_is_not_hidden():
     window = ddp.compute_s * 2 / 3 / ddp.grad_accum
     assert ddp.step_s["overlap"] == pytest.approx(ddp.compute_s + max(0.0, ddp.communication_s - window))
     assert rows["zero2"].step_s["overlap"] < zero1.step_s["overlap"]
+
+
+def test_pipelines_side_by_side_sum_their_gradients_and_take_the_first_s_buffers():
+    """With --dp 2 each pipeline rank all-reduces its stages' gradients over the 2 pipelines and takes the
+    first pipeline's BatchNorm statistics (impls/pipeline, distref.cost.pipeline): resnet18's fullest rank,
+    the same micro-batches as one pipeline, moves that much more."""
+    model = project_model("resnet18")
+    rows = {
+        dp: cost(
+            Layout("pp-1f1b", dp=dp, pp=2),
+            model,
+            Cluster(GPUS["cpu"], 2 * dp),
+            Training(8 * dp, 1, "fp32", "sgd", False, 0.4, grad_accum=4),
+        )
+        for dp in (1, 2)
+    }
+    rank = rows[2].pipeline_rank
+    first, end = cut_bounds(model, 2)[rank]
+    with torch.device("meta"):
+        blocks = list(build_model("resnet18", MODEL_DATASETS["resnet18"]).children())[first:end]
+    gradients = sum(p.numel() * 4 for block in blocks for p in block.parameters())
+    buffers = sum(b.numel() * b.element_size() for block in blocks for b in block.buffers())
+    assert rank == rows[1].pipeline_rank and buffers > 0
+    moved = {dp: sum(row.communication_bytes.values()) for dp, row in rows.items()}
+    assert moved[2] - moved[1] == 2 * (2 - 1) / 2 * gradients + buffers

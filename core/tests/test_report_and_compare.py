@@ -263,7 +263,8 @@ def test_report_states_evaluation_apart_and_a_single_device_as_such(compared, tm
     assert ddp_row.split("|")[5].strip() == f"{speed_up / 2:.2f}"  # 2 cores against single's 1
     assert ddp_row.split("|")[6].strip() == f"{ddp['startup_time_s']:.1f}"
     assert ddp_row.split("|")[7].strip() == f"{ddp['train_time_s']:.1f}"
-    assert ddp_row.split("|")[8].strip() == f"{ddp['eval_time_s']:.1f}"
+    evaluation = ddp["eval_time_s"]  # two significant figures at least: the note compares them
+    assert ddp_row.split("|")[8].strip() == (f"{evaluation:.1f}" if evaluation >= 1 else f"{evaluation:#.2g}")
     assert ddp_row.split("|")[9].strip() == f"{ddp['wall_time_s']:.1f}"
     # Wall time runs from each rank's process start: its start-up (imports, data, process group) too.
     assert ddp["wall_time_s"] >= ddp["startup_time_s"] + ddp["train_time_s"] + ddp["eval_time_s"]
@@ -455,25 +456,27 @@ def test_compare_help_shows_the_default_workload_and_the_pass_through():
     assert result.returncode == 0
     text = " ".join(result.stdout.split())  # argparse wraps lines
     assert "Any other option is a run option passed to every impl's train.py" in text
-    assert "--model lenet --dataset mnist --epochs 1" in text and "--target-accuracy 0.955" in text
+    assert "--model lenet --dataset mnist --epochs 1" in text
+    assert "--target-accuracy is the model and dataset's own (lenet on mnist: 0.955, " in text
 
 
 def test_compare_can_validate_every_impl():
     """compare loads every impls/*/train.py to check its arguments before running anything: each must
     load that way (a train.py defining a dataclass once did not) and accept the default workload."""
-    from distref.compare import DEFAULT_WORKLOAD
+    from distref.compare import DEFAULT_WORKLOAD, with_target
     from distref.config import with_defaults
     from distref.impl_folders import discover, validate
+    from distref.report import TARGETS
 
     found = discover(ROOT / "impls")
     assert {"single", "ddp", "dataparallel", "model_parallel", "tensor_parallel"} <= set(found)
     for info in found.values():
         distributed = info["launcher"] == "torchrun"
         model = ["--model", "gpt", "--dataset", "synthetic"] if info["models"] else []
-        cfg = validate(
-            info["train"], with_defaults(DEFAULT_WORKLOAD, model), 2 if distributed else 1, distributed
-        )
-        assert cfg.model == ("gpt" if info["models"] else "lenet") and cfg.target_accuracy == 0.955
+        run_args, _ = with_target(with_defaults(DEFAULT_WORKLOAD, model))
+        cfg = validate(info["train"], run_args, 2 if distributed else 1, distributed)
+        assert cfg.model == ("gpt" if info["models"] else "lenet")
+        assert cfg.target_accuracy == TARGETS[(cfg.model, cfg.dataset)]
 
 
 def test_an_impl_made_for_another_model_is_left_out_and_says_why():
@@ -491,10 +494,11 @@ def test_an_impl_made_for_another_model_is_left_out_and_says_why():
 
 
 # ---- the cost table and the pipeline section, from records made here (no run needed) -----------------
-def made_record(folder: Path, impl: str, ranks: int, **fields) -> Path:
-    """A completed record of `impl` on `ranks` ranks (3 synthetic steps, one workload for all), with
-    `fields` set as its own: what an impl writes, without running one."""
-    cfg = RunConfig(dataset="synthetic", steps=3, global_batch_size=24, optimizer="sgd", out=str(folder))
+def made_record(folder: Path, impl: str, ranks: int, options: dict | None = None, **fields) -> Path:
+    """A completed record of `impl` on `ranks` ranks (3 synthetic steps, one workload for all, `options`
+    changing it), with `fields` set as its own: what an impl writes, without running one."""
+    workload = {"dataset": "synthetic", "steps": 3, "global_batch_size": 24, "optimizer": "sgd"}
+    cfg = RunConfig(**{**workload, **(options or {})}, out=str(folder))
     record = RunRecord(impl, "0.0.0", cfg, ranks, torch.device("cpu"), "gloo")
     record.add_steps(0, [2.3, 2.2, 2.1], [0.2, 0.1, 0.1])
     record.data.update(status="completed", samples_per_s=240.0, peak_memory_bytes=[500 * 2**20] * ranks)
@@ -685,3 +689,115 @@ def test_pipeline_section_puts_the_formula_beside_the_measured_bubble_and_draws_
     assert "pipeline_timeline_3.png" not in report  # the interleaved record has no timeline
     assert section.index("pipeline_timeline_1.png") < section.index("pipeline_timeline_2.png")
     assert "Pipeline timeline: pipeline ×2 (1f1b)" in section
+
+
+def evaluated_once(seconds: float, accuracy: float = 0.5) -> dict:
+    """A record's fields for one evaluation, after the last step, that took `seconds`."""
+    evaluation = {"step": 3, "epoch": 0.01, "elapsed_s": 1.0, "eval_time_s": seconds, "accuracy": accuracy}
+    return {"evals": [{**evaluation, "loss": 1.0}], "eval_time_s": seconds, "final_accuracy": accuracy}
+
+
+def test_the_evaluation_claim_follows_from_the_figures_the_table_shows(tmp_path):
+    """Evaluation times as the table shows them (two significant figures: 0.12 and 0.090, not 0.1 and
+    0.1) and a sentence computed from those figures, not a claimed world-size speed-up."""
+    runs = [
+        made_record(tmp_path / "single", "single", 1, **evaluated_once(0.12)),
+        made_record(tmp_path / "ddp", "ddp", 2, **evaluated_once(0.09)),
+        made_record(tmp_path / "fsdp", "fsdp", 2, **evaluated_once(0.1249)),  # shown 0.12, as single
+        made_record(tmp_path / "pipeline", "pipeline", 2, **evaluated_once(0.3)),
+    ]
+    report = build_report(runs, tmp_path / "report").read_text()
+    speed = report.split("## Throughput and scaling")[1].split("\n## ")[0]
+    shown = {label: row_of(speed, label)[7] for label in ("single ×1", "ddp ×2", "fsdp ×2", "pipeline ×2")}
+    assert shown == {"single ×1": "0.12", "ddp ×2": "0.090", "fsdp ×2": "0.12", "pipeline ×2": "0.30"}
+    target = report.split("## Time to target accuracy")[1].split("\n## ")[0]
+    assert "world-size times faster" not in report
+    assert (
+        "Here, from the evaluation column above: ddp ×2 1.3× faster than single (0.090 s against 0.12 s); "
+        "fsdp ×2 about as fast as single (0.12 s against 0.12 s); "
+        "pipeline ×2 2.5× slower than single (0.30 s against 0.12 s)." in target
+    )
+
+
+def test_a_target_belongs_to_its_dataset(tmp_path):
+    """A run without a target says *none*; MNIST's target (0.955) on synthetic images says whose target it
+    is, not *not reached*; a target of the run's own that it missed is *not reached*."""
+    from distref.report import TARGETS
+
+    def target_row(name: str, target: float | None) -> list[str]:
+        run = made_record(tmp_path / name, "single", 1, {"target_accuracy": target}, **evaluated_once(0.1))
+        record = json.loads((run / "record.json").read_text())
+        assert record["target_accuracy"] == target and record["time_to_target_s"] is None
+        report = build_report([run], tmp_path / f"report-{name}").read_text()
+        return row_of(report.split("## Time to target accuracy")[1], "single ×1")[1:4]
+
+    assert target_row("none", None) == ["none", "0.5000", "— (no target)"]
+    assert target_row("mnists", 0.955) == [
+        "0.955 (lenet on mnist's)",
+        "0.5000",
+        "n/a: lenet on mnist's target, not lenet on synthetic's",
+    ]
+    own = TARGETS[("lenet", "synthetic")]
+    assert target_row("own", own) == [str(own), "0.5000", "not reached"]
+    assert target_row("yours", 0.99) == ["0.99", "0.5000", "not reached"]  # nobody's: a target of yours
+
+
+def test_compare_gives_each_dataset_its_own_target_or_none_and_says_which():
+    """MNIST's target stays MNIST's: the default workload on another dataset runs to that dataset's own
+    target, or to none (said so); a target given is kept."""
+    from distref.compare import DEFAULT_WORKLOAD, with_target
+    from distref.config import with_defaults
+    from distref.report import TARGETS
+
+    def target_of(*args: str) -> tuple[str | None, str]:
+        run_args, said = with_target(with_defaults(DEFAULT_WORKLOAD, list(args)))
+        given = [run_args[i + 1] for i, a in enumerate(run_args) if a == "--target-accuracy"]
+        assert len(given) <= 1
+        return (given[0] if given else None), said
+
+    assert target_of() == ("0.955", "target accuracy 0.955 (lenet on mnist's)")
+    for (model, dataset), target in TARGETS.items():
+        assert target_of("--model", model, "--dataset", dataset)[0] == str(target)
+    assert len(set(TARGETS.values())) == len(TARGETS)  # (a report names a target's dataset by its value)
+    target, said = target_of("--dataset", "fashion-mnist")
+    assert target is None and said.startswith("no target accuracy: none is known for --model lenet")
+    assert target_of("--dataset=digits", "--target-accuracy", "0.5") == ("0.5", "target accuracy 0.5 (given)")
+
+
+def test_the_communication_plot_stacks_bus_bytes_as_the_table_counts_them(tmp_path, monkeypatch):
+    """fsdp ×2 moves 3× ddp ×2's bytes (the all-gathers' whole outputs) but 1.5× its bus bytes, the
+    measure the docs and the table's column compare strategies by: the bars and marks are bus bytes."""
+    import matplotlib.axes
+
+    drawn: dict[str, list] = {"bar": [], "scatter": [], "ylabel": []}
+    for name in drawn:
+        method = getattr(matplotlib.axes.Axes, "set_ylabel" if name == "ylabel" else name)
+
+        def record(self, *args, _name=name, _method=method, **kwargs):
+            drawn[_name].append((args, kwargs))
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel" if name == "ylabel" else name, record)
+
+    def bus(**kinds: tuple[int, int, float]) -> dict:
+        return {k: {"calls": c, "bytes": b, "bus_bytes": u} for k, (c, b, u) in kinds.items()}
+
+    ddp = [bus(all_reduce=(1, 87360, 87360.0))] * 2  # 2(n-1)/n = 1 of the message at n = 2
+    fsdp = [bus(all_gather=(7, 172680, 86340.0), reduce_scatter=(4, 87360, 43680.0))] * 2  # (n-1)/n
+    runs = [
+        made_record(tmp_path / "ddp", "ddp", 2, communication=communication(ddp, ddp)),
+        made_record(tmp_path / "fsdp", "fsdp", 2, communication=communication(fsdp, fsdp)),
+    ]
+    report = build_report(runs, tmp_path / "report").read_text()
+    assert "](communication_per_step.png)" in report
+    stacked = {kwargs["label"]: list(args[1]) for args, kwargs in drawn["bar"][-3:]}
+    assert stacked == {
+        "all_reduce": [87360 / 1024, 0.0],
+        "reduce_scatter": [0.0, 43680 / 1024],
+        "all_gather": [0.0, 86340 / 1024],
+    }
+    marks = list(drawn["scatter"][-1][0][1])  # each run's formula total, bus bytes too
+    assert marks == [87360 / 1024, 130020 / 1024]
+    assert drawn["ylabel"][-1][0][0] == "bus bytes (KiB) per optimizer step"
+    cost = report.split("## Cost: ")[1]
+    assert row_of(cost, "ddp ×2")[3] == "85.3 KiB" and row_of(cost, "fsdp ×2")[3] == "127.0 KiB"

@@ -28,8 +28,9 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
 from distref.cost import Predicted
-from distref.cost.activations import predicted_for_run
+from distref.cost.activations import no_formula, predicted_for_run
 from distref.cost.memory import replicated
+from distref.cost.usage import model_usage
 from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -48,6 +49,7 @@ from distref.training.device import (
     param_dtype,
     pick_device,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import model_state_bytes
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=0) as prof:
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, devices=gpus or [device])  # --- DataParallel: each GPU its own stream
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
@@ -198,16 +203,28 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DataParallel: peak memory of every GPU it used (GPU 0 carries the gathers, loss and optimizer)
-    # Model states (a full replica) and activations by formula (distref.cost), beside the measured ones.
+    # Model states (a full replica: gradients and optimizer state of the parameters that receive a
+    # gradient) and activations by formula (distref.cost), beside the measured ones.
     # --- DataParallel: on several GPUs its copies between them are no process-group collectives (the
     # counter sees none) and the replicas run in threads of their own (saved-tensor hooks are per
     # thread): no formula then; on one device it is single.
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    model_states = None
+    if not usage.unknown:
+        trained = usage.trained_flags(model.module.named_parameters())  # --- DataParallel: core names
+        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
     one_device = len(gpu_ids) < 2  # --- DataParallel
+    threads = "nn.DataParallel on several GPUs: its replicas' threads and copies are not counted"
     predicted = Predicted(
         communication={} if one_device else None,  # --- DataParallel
-        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        model_states=model_states,
         activations=predicted_for_run(cfg, info) if one_device else None,  # --- DataParallel
+        unavailable={
+            "communication": threads,  # --- DataParallel
+            "model_states": usage.unknown,
+            "activations": no_formula(cfg.model, cfg.precision) or threads,  # --- DataParallel
+        },
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

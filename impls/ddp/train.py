@@ -30,9 +30,11 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
 from distref.cost import Predicted
-from distref.cost.activations import predicted_for_run
+from distref.cost.activations import no_formula, predicted_for_run
 from distref.cost.data_parallel import ddp as ddp_communication
+from distref.cost.data_parallel import ddp_bucket_order
 from distref.cost.memory import replicated
+from distref.cost.usage import Usage, model_usage
 from distref.data import (
     DatasetInfo,
     eval_batches,
@@ -43,6 +45,7 @@ from distref.data import (
 )
 from distref.distributed import (
     all_reduce_sum,
+    check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -65,6 +68,7 @@ from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import model_state_bytes
@@ -87,8 +91,11 @@ class DDPOptions:
     comm_hook: str
 
 
-def apply_ddp(model: nn.Module, options: DDPOptions, device: torch.device, rank: int) -> DDP:
-    """Wrap the model in DDP (after it is on its device, before the optimizer is built)."""
+def apply_ddp(
+    model: nn.Module, options: DDPOptions, device: torch.device, rank: int, usage: Usage | None = None
+) -> DDP:
+    """Wrap the model in DDP (after it is on its device, before the optimizer is built). `usage`: which
+    parameters the loss reaches (distref.cost.usage: a forward and backward on the meta device)."""
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if has_batchnorm and device.type == "cuda":
         # Per-rank BatchNorm would normalise with each rank's micro-batch statistics only; SyncBatchNorm
@@ -99,11 +106,28 @@ def apply_ddp(model: nn.Module, options: DDPOptions, device: torch.device, rank:
             f"{IMPL}: SyncBatchNorm needs CUDA in torch {torch.__version__}; on CPU each rank keeps "
             "its own BatchNorm statistics (parity with single holds only for models without BatchNorm)"
         )
+    # DDP's reducer waits for the gradient of every parameter that requires one: a parameter the loss
+    # never reaches (a layer of yours built and not used) ends the second step in `Expected to have
+    # finished reduction`. Told which, DDP looks for them in each backward; where the meta forward
+    # cannot tell (usage.unknown), it looks too.
+    unused = [n for n, p in model.named_parameters() if usage and p.requires_grad and not usage.is_trained(n)]
+    find_unused = bool(unused or (usage and usage.unknown)) and not options.static_graph
+    if find_unused and rank == 0:
+        said = (
+            f"{', '.join(unused)} not used by the loss"
+            if unused
+            else f"unknown which parameters the loss uses ({usage.unknown})"
+        )
+        print(
+            f"{IMPL}: {said}: DDP looks for unused parameters in every backward (find_unused_parameters: "
+            "one more walk of the graph per step; their gradients stay None, as in single)"
+        )
     ddp_model = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=options.bucket_cap_mb,
-        static_graph=options.static_graph,
+        static_graph=options.static_graph,  # (a static graph knows its unused parameters after step 1)
+        find_unused_parameters=find_unused,
         gradient_as_bucket_view=options.grad_as_bucket_view,
     )
     # DDP's own all-reduce averages the gradients (÷ world size). Each rank's loss is already its part of
@@ -151,26 +175,42 @@ def times_world_size(hook):
     return summed
 
 
-def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: int) -> Predicted:
-    """What a DDP rank costs by formula (distref.cost): every bucket of gradients all-reduced once per
-    optimizer step (half the bytes with a bf16/fp16 hook; PowerSGD: no formula), the buffers broadcast
-    before the step's first forward; a full replica of the model states; one micro-batch's activations."""
+def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: int, usage: Usage) -> Predicted:
+    """What a DDP rank costs by formula (distref.cost): every bucket of gradients (of the parameters that
+    require grad) all-reduced once per optimizer step (half the bytes with a bf16/fp16 hook; PowerSGD: no
+    formula), with unused parameters also DDP's map of them, the buffers broadcast before the step's first
+    forward; a full replica of the model states (gradients and optimizer state of the parameters that
+    receive a gradient); one micro-batch's activations."""
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
     options = cfg.strategy
-    communication = None
-    if options.comm_hook != "powersgd":
+    trained = usage.trained_flags(model.named_parameters())
+    in_buckets = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # DDP's
+    communication = model_states = None
+    if options.comm_hook != "powersgd" and not usage.unknown:
         communication = ddp_communication(
-            parameter_bytes,
+            [p.numel() * p.element_size() for _, p in in_buckets],
             world_size,
             bucket_cap_bytes=int(options.bucket_cap_mb * 2**20),
             # a bf16/fp16 hook sends 2 bytes per gradient element (of 4 in fp32, of 8 in fp64)
             compressed_element_ratio=2 / param_dtype(cfg).itemsize if options.comm_hook != "none" else 1.0,
             buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
+            # as apply_ddp decides it: parameters the loss leaves unread, and no static graph
+            find_unused_parameters=not options.static_graph
+            and any(p.requires_grad and not t for p, t in zip(model.parameters(), trained, strict=True)),
+            bucket_order=ddp_bucket_order(usage.gradient_indices(in_buckets), len(in_buckets)),
         )
+    if not usage.unknown:
+        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
+    powersgd = "--comm-hook powersgd: no formula (its low-rank factors; a plain all-reduce before step 10)"
     return Predicted(
         communication=communication,
-        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        model_states=model_states,
         activations=predicted_for_run(cfg, info, world_size),
+        unavailable={
+            "communication": usage.unknown or powersgd,
+            "model_states": usage.unknown,
+            "activations": no_formula(cfg.model, cfg.precision),
+        },
     )
 
 
@@ -197,8 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
+    # --- DDP: every rank read the data and built the model itself: they must agree (one all-gather)
+    with exit_on_bad_input(IMPL, say=is_main):
+        check_ranks_agree(cfg, train_set, test_set, model)
     # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
-    model = apply_ddp(model, cfg.strategy, device, rank)
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    model = apply_ddp(model, cfg.strategy, device, rank, usage)
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
@@ -228,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- DDP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, stream=rank, devices=[device])  # --- DDP: each rank its own stream
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
@@ -289,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DDP: every rank's memory and model states (a full replica each), beside the formulas', and what
     # its counted step communicated beside the formula's (ddp_cost), gathered to rank 0
-    predicted = ddp_cost(model.module, cfg, info, world_size)
+    predicted = ddp_cost(model.module, cfg, info, world_size, usage)
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
     if is_main:
         print_summary(record.data)

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import importlib.util
 import logging
+import math
 import os
 import sys
 import warnings
@@ -38,8 +39,9 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
 from distref.cost import Predicted
-from distref.cost.activations import predicted_for_run
-from distref.cost.zero import zero_communication, zero_model_states
+from distref.cost.activations import no_formula, predicted_for_run
+from distref.cost.usage import model_usage
+from distref.cost.zero import communication_unavailable, zero_communication, zero_model_states
 from distref.data import (
     DatasetInfo,
     eval_batches,
@@ -50,6 +52,7 @@ from distref.data import (
 )
 from distref.distributed import (
     all_reduce_sum,
+    check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -74,6 +77,7 @@ from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import zero_model_state_bytes
@@ -139,7 +143,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
     DeepSpeed takes the batch as three numbers that must agree: the global batch (per optimizer step)
     = micro-batch per rank × gradient accumulation steps × world size."""
     stage = cfg.strategy.zero_stage
-    bucket = int(cfg.strategy.bucket_mb * 2**20 / 4)  # DeepSpeed sizes buckets in elements
+    bucket = bucket_elements(cfg.strategy.bucket_mb)  # DeepSpeed sizes buckets in elements
     zero: dict = {
         "stage": stage,
         "reduce_bucket_size": bucket,
@@ -256,14 +260,25 @@ def zero_cost(
     model: torch.nn.Module, cfg: RunConfig, info: DatasetInfo, rank: int, world_size: int
 ) -> Predicted:
     """What a ZeRO rank costs by formula (distref.cost.zero: DeepSpeed 0.19's buckets, padding and
-    prefetch, fp32 without offload; else no formula): stages 1-2 an all-reduce per gradient bucket and one
-    all-gather of the updated flat parameters, stage 3 the parameters gathered once per forward and the
-    gradients reduce-scattered per bucket; this rank's partitions; one micro-batch's activations."""
+    prefetch, fp32 without offload; else no formula): stage 0 all-reduces the gradients as DDP does,
+    stages 1-2 an all-reduce per gradient bucket (per partition it spans, for a gradient larger than a
+    bucket) and one all-gather of the updated flat parameters, stage 3 the parameters gathered once per
+    forward and the gradients reduce-scattered per bucket; this rank's partitions (frozen parameters stay
+    out of them at stages 0-2); one micro-batch's activations."""
     stage, options = cfg.strategy.zero_stage, cfg.strategy
     numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]  # stage 3: whole sizes
     zero = deepspeed_config(cfg, world_size)["zero_optimization"]  # its bucket sizes, in elements
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    named = list(model.named_parameters())
+    uses = usage.of(named)  # (stage 3 gathers a parameter when its own module runs)
     communication = model_states = None
-    if cfg.precision == "fp32" and not (options.offload_optimizer or options.offload_params):
+    if cfg.precision != "fp32":
+        no_formula_here = f"no formula for DeepSpeed in {cfg.precision} (its 16-bit copies, fp32 masters)"
+    elif options.offload_optimizer or options.offload_params:
+        no_formula_here = "no formula with offload (DeepSpeed's CPU partitions and their copies)"
+    else:
+        no_formula_here = usage.unknown
+    if not no_formula_here:
         communication = zero_communication(
             numels,
             world_size,
@@ -271,15 +286,23 @@ def zero_cost(
             bucket_elements=zero["reduce_bucket_size"],
             prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
             grad_accum=cfg.grad_accum,
+            uses=uses,
+            gradient_order=usage.gradient_indices(named),  # what its reduce buckets fill in
         )
         step_bytes = torch.get_default_dtype().itemsize
         model_states = zero_model_states(
-            numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes
+            numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes, uses=uses
         )
     return Predicted(
         communication=communication,
         model_states=model_states,
         activations=predicted_for_run(cfg, info, world_size),
+        unavailable={
+            "communication": no_formula_here
+            or communication_unavailable(numels, stage, zero.get("stage3_prefetch_bucket_size", 0)),
+            "model_states": no_formula_here,
+            "activations": no_formula(cfg.model, cfg.precision),
+        },
     )
 
 
@@ -305,6 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    # --- ZERO: every rank read the data and built the model itself: they must agree (one all-gather)
+    with exit_on_bad_input(IMPL, say=is_main):
+        check_ranks_agree(cfg, train_set, test_set, model)
     model.activation_checkpointing = cfg.activation_checkpointing
     optimizer = make_optimizer(cfg, model.parameters())
     # --- ZERO: the engine partitions the model states as the config says, broadcasts rank 0's parameters,
@@ -344,6 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- ZERO: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, stream=rank, devices=[device])  # --- ZERO: each rank its own stream
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
@@ -444,6 +473,40 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
 
 
+def bucket_elements(megabytes: float) -> int:
+    """--bucket-mb as DeepSpeed takes it: a number of (4-byte) elements, rounded down."""
+    return int(megabytes * 2**20 / 4)
+
+
+def bucket_problem(megabytes: float, stage: int) -> str | None:
+    """Why DeepSpeed 0.19 would refuse --bucket-mb at this stage (on every rank, in a traceback), or None:
+    its config takes at least one element, and stages 1 and 2 an even number (stage_1_and_2.py asserts
+    allgather_bucket_size % 2 == 0). Names the nearest sizes it takes."""
+    elements = bucket_elements(megabytes)
+    if stage in (1, 2) and (elements < 2 or elements % 2):
+        need = "an even number (its buckets align to 2 elements)"
+        nearest = [2] if elements < 2 else [elements - 1, elements + 1]
+    elif elements < 1:
+        need, nearest = "at least 1", [1]
+    else:
+        return None
+    suggested = " or ".join(f"{shortest_megabytes(n)} ({n:,})" for n in nearest)
+    plural = "" if elements == 1 else "s"
+    return (
+        f"--bucket-mb {megabytes:g} is {elements:,} element{plural} of 4 bytes; DeepSpeed 0.19 at ZeRO stage "
+        f"{stage} takes {need}: use e.g. --bucket-mb {suggested}"
+    )
+
+
+def shortest_megabytes(elements: int) -> str:
+    """The --bucket-mb with the fewest decimals that gives `elements` elements."""
+    for decimals in range(1, 20):
+        text = f"{math.ceil(elements * 4 / 2**20 * 10**decimals) / 10**decimals:.{decimals}f}"
+        if bucket_elements(float(text)) == elements:
+            return text
+    return repr(elements * 4 / 2**20)
+
+
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
     if importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed: pip install deepspeed==0.19.8 -c <the constraints file pinning torch>"
@@ -452,6 +515,8 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
         return f"--zero-stage {stage}: ZeRO has stages 0, 1, 2 and 3"
     if cfg.strategy.offload_params and stage != 3:
         return f"--offload-params needs --zero-stage 3 (only stage 3 partitions parameters; got {stage})"
+    if problem := bucket_problem(cfg.strategy.bucket_mb, stage):
+        return problem
     if cfg.strategy.offload_optimizer and stage == 0:
         return "--offload-optimizer needs --zero-stage 1, 2 or 3 (stage 0 has no optimizer partition)"
     if cfg.precision == "fp64":

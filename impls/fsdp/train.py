@@ -37,9 +37,10 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, under_torchrun
 from distref.cost import Predicted
-from distref.cost.activations import predicted_for_run
+from distref.cost.activations import no_formula, predicted_for_run
 from distref.cost.sharded import fsdp as fsdp_communication
 from distref.cost.sharded import fsdp_model_states
+from distref.cost.usage import model_usage
 from distref.data import (
     DatasetInfo,
     TensorData,
@@ -51,6 +52,7 @@ from distref.data import (
 )
 from distref.distributed import (
     all_reduce_sum,
+    check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -76,6 +78,7 @@ from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import model_state_bytes
@@ -169,31 +172,47 @@ def fsdp_cost(
     """What an FSDP rank costs by formula (distref.cost.sharded): every block a unit (apply_fsdp; the root
     holds no parameter) all-gathered before its forward and, resharded, again before its backward, its
     gradients reduce-scattered (and all-reduced over the replicas with --hsdp); this rank's rows of every
-    parameter, gradient and optimizer state; one micro-batch's activations."""
-    units = [[p.shape for p in block.parameters()] for block in model.children()]
+    parameter, gradient and optimizer state; one micro-batch's activations. A unit gathers its every
+    parameter, frozen or unread, and reduces those with a gradient; a unit never called, nothing."""
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    units, reduced_units, shapes, trained = [], [], [], []  # by unit: gathered, reduced; every parameter
+    for name, block in model.named_children():
+        named = [(f"{name}.{sub}", p) for sub, p in block.named_parameters()]
+        flags = usage.trained_flags(named)
+        units.append([p.shape for _, p in named] if name in usage.called else [])  # never called: no gather
+        reduced_units.append([p.shape for (_, p), t in zip(named, flags, strict=True) if t])
+        shapes, trained = shapes + [p.shape for _, p in named], trained + flags
     shards, dtype, policy = mesh["shard"], param_dtype(cfg), mixed_precision(cfg)
-    communication = fsdp_communication(
-        units,
-        [cfg.strategy.reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
-        shards.size(),
-        replicas=cfg.strategy.hsdp,
-        gather_element_bytes=(policy.param_dtype or dtype).itemsize,
-        reduce_element_bytes=(policy.reduce_dtype or dtype).itemsize,
-        grad_accum=cfg.grad_accum,
-    )
-    shapes = [shape for unit in units for shape in unit]
-    model_states = fsdp_model_states(
-        shapes,
-        shards.size(),
-        shards.get_local_rank(),  # this rank's place in its shard group
-        dtype.itemsize,
-        cfg.optimizer,
-        torch.get_default_dtype().itemsize,
-    )
+    communication = model_states = None
+    if not usage.unknown:
+        communication = fsdp_communication(
+            units,
+            [cfg.strategy.reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
+            shards.size(),
+            replicas=cfg.strategy.hsdp,
+            gather_element_bytes=(policy.param_dtype or dtype).itemsize,
+            reduce_element_bytes=(policy.reduce_dtype or dtype).itemsize,
+            grad_accum=cfg.grad_accum,
+            reduced_units=reduced_units,
+        )
+        model_states = fsdp_model_states(
+            shapes,
+            shards.size(),
+            shards.get_local_rank(),  # this rank's place in its shard group
+            dtype.itemsize,
+            cfg.optimizer,
+            torch.get_default_dtype().itemsize,
+            trained=trained,
+        )
     return Predicted(
         communication=communication,
         model_states=model_states,
         activations=predicted_for_run(cfg, info, world_size),
+        unavailable={
+            "communication": usage.unknown,
+            "model_states": usage.unknown,
+            "activations": no_formula(cfg.model, cfg.precision),
+        },
     )
 
 
@@ -218,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    # --- FSDP: every rank read the data and built the model itself: they must agree (one all-gather)
+    with exit_on_bad_input(IMPL, say=is_main):
+        check_ranks_agree(cfg, train_set, test_set, model)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- FSDP: shard; every rank built the same parameters (same seed), so each keeps its own slice of
     # them (no broadcast needed). A plain copy of the model scores the gathered parameters (evaluation):
@@ -262,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- FSDP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, stream=rank, devices=[device])  # --- FSDP: each rank its own stream
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)

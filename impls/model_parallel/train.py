@@ -32,10 +32,11 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, under_torchrun
 from distref.cost import Predicted
-from distref.cost.activations import part_bytes
+from distref.cost.activations import no_formula, part_bytes
 from distref.cost.memory import replicated
 from distref.cost.pipeline import boundary_bytes
 from distref.cost.pipeline import model_parallel as model_parallel_communication
+from distref.cost.usage import model_usage
 from distref.data import (
     DatasetInfo,
     eval_batches,
@@ -45,6 +46,7 @@ from distref.data import (
     train_loader,
 )
 from distref.distributed import (
+    check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     gather_to_rank0,
@@ -71,6 +73,7 @@ from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import IntervalTimer, model_state_bytes
@@ -202,7 +205,8 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler, scored:
         with links.waiting.measure():
             output_grad = torch.empty_like(outputs)  # the same shape and dtype as what was sent
             dist.recv(output_grad, links.after)
-        torch.autograd.backward(outputs, output_grad)  # backward through this part from its output
+        if outputs.requires_grad:  # (a part whose parameters are all frozen, before any trained one: none)
+            torch.autograd.backward(outputs, output_grad)  # backward through this part from its output
         loss = torch.zeros((), device=device)
     if links.before is not None:  # hand the input's gradient to the previous part
         dist.send(inputs.grad, links.before)
@@ -284,8 +288,9 @@ def model_parallel_cost(
 ) -> Predicted:
     """What this rank costs by formula (distref.cost): per micro-batch a header and the activation to the
     next part, the activation's gradient back (`activation_bytes`: each cut's, for one micro-batch); the
-    model states of its part(s); the activations of one micro-batch at a time through its blocks,
-    bounds[rank] of the whole model's (--devices, one process: every block)."""
+    model states of its part(s) (gradients and optimizer state of the parameters that receive a
+    gradient); the activations of one micro-batch at a time through its blocks, bounds[rank] of the whole
+    model's (--devices, one process: every block)."""
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
     micro_batch, checkpointed = cfg.global_batch_size // cfg.grad_accum, cfg.activation_checkpointing
     if world_size == 1:
@@ -293,10 +298,16 @@ def model_parallel_cost(
     activations = part_bytes(
         cfg.model, info, cfg.gpt_layers, bounds, rank, micro_batch, 1, cfg.precision, checkpointed
     )
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    model_states = None
+    if not usage.unknown:
+        trained = usage.trained_flags(model.named_parameters())
+        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
     return Predicted(
         communication=model_parallel_communication(activation_bytes, rank, world_size, cfg.grad_accum),
-        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        model_states=model_states,
         activations=activations,
+        unavailable={"model_states": usage.unknown, "activations": no_formula(cfg.model, cfg.precision)},
     )
 
 
@@ -322,6 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    if not one_process:  # --- MODEL PARALLEL: every rank read the data and built the model: they must agree
+        with exit_on_bad_input(IMPL, say=is_main):
+            check_ranks_agree(cfg, train_set, test_set, model)
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
     # parameters), cuts it between its blocks (--partition, else balancing the parameters the blocks
     # hold), keeps its own part(s) on its device(s) and lets the rest go. Each cut's activation for one
@@ -381,6 +395,11 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- MODEL PARALLEL: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(
+                cfg.seed, step, stream=rank, devices=devices
+            )  # --- MODEL PARALLEL: each part its own stream
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)

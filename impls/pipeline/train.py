@@ -54,9 +54,10 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig, fail, positive_int, under_torchrun
 from distref.cost import Predicted
-from distref.cost.activations import Action, one_stage_order, pipeline_rank
+from distref.cost.activations import Action, no_formula, one_stage_order, pipeline_rank
 from distref.cost.memory import replicated
 from distref.cost.pipeline import pipeline as pipeline_communication
+from distref.cost.usage import model_usage
 from distref.data import (
     DatasetInfo,
     eval_batches,
@@ -67,6 +68,7 @@ from distref.data import (
 )
 from distref.distributed import (
     all_reduce_sum,
+    check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -98,6 +100,7 @@ from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import IntervalTimer, SavedActivations, model_state_bytes
@@ -321,7 +324,8 @@ def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], dp_group: dis
     with every schedule but 1F1B: `rebuilt parameter indices size is not same as original model
     parameters size`, DDP's reducer seeing a stage's backward run once per micro-batch.)"""
     for parameter in parameters:
-        dist.all_reduce(parameter.grad, group=dp_group)
+        if parameter.grad is not None:  # (frozen, or not reached by the loss: no gradient on any pipeline)
+            dist.all_reduce(parameter.grad, group=dp_group)
 
 
 def broadcast_buffers(model: torch.nn.Module, dp_group: dist.ProcessGroup) -> None:
@@ -503,34 +507,47 @@ def pipeline_cost(
 ) -> Predicted:
     """What this rank costs by formula (distref.cost): each boundary of its stages with a stage on another
     rank crossed twice per micro-batch (the activation forward, its gradient back: `examples`' outputs'
-    bytes), and with --dp its parameters all-reduced and buffers broadcast over the pipelines; the model
-    states of its stages; the activations its stages hold at once in the schedule's order."""
+    bytes), and with --dp its parameters' gradients all-reduced and buffers broadcast over the pipelines;
+    the model states of its stages (gradients and optimizer state of the parameters that receive a
+    gradient); the activations its stages hold at once in the schedule's order."""
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    communication = pipeline_communication(
-        [out.numel() * out.element_size() for _, out in examples[:-1]],
-        mesh.my_stages,
-        mesh.owner,
-        cfg.strategy.microbatches,
-        parameter_bytes=parameter_bytes,
-        buffer_bytes=[b.numel() * b.element_size() for b in model.buffers()],
-        dp=cfg.strategy.dp,
-    )
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    trained = usage.trained_flags(model.named_parameters())
+    communication = model_states = None
+    if not usage.unknown:
+        communication = pipeline_communication(
+            [out.numel() * out.element_size() for _, out in examples[:-1]],
+            mesh.my_stages,
+            mesh.owner,
+            cfg.strategy.microbatches,
+            parameter_bytes=[size for size, t in zip(parameter_bytes, trained, strict=True) if t],
+            buffer_bytes=[b.numel() * b.element_size() for b in model.buffers()],
+            dp=cfg.strategy.dp,
+        )
+        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
     # The activations held at once: each stage's per micro-batch, forwards adding and backwards freeing
     # them in the schedule's order of work on this rank
+    order = schedule_order(schedule, mesh, cfg.strategy)
     activations = pipeline_rank(
         cfg.model,
         info,
         cfg.gpt_layers,
         bounds,
-        schedule_order(schedule, mesh, cfg.strategy),
+        order,
         micro_batch,
         cfg.precision,
         cfg.activation_checkpointing,
     )
     return Predicted(
         communication=communication,
-        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        model_states=model_states,
         activations=activations,
+        unavailable={
+            "communication": usage.unknown,
+            "model_states": usage.unknown,
+            "activations": no_formula(cfg.model, cfg.precision)
+            or (f"no order of work known for --schedule {cfg.strategy.schedule}" if order is None else None),
+        },
     )
 
 
@@ -556,6 +573,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    # --- PIPELINE: every rank read the data and built the model itself: they must agree (one all-gather)
+    with exit_on_bad_input(IMPL, say=is_main):
+        check_ranks_agree(cfg, train_set, test_set, model)
     # --- PIPELINE: every rank builds the whole model (same seed, same parameters as single), then keeps
     # only its stages' blocks as `model` (optimizer, state_dict; the schedule runs the stages, not `model`).
     # The cuts: --partition, else those balancing the parameters of the blocks of the model built.
@@ -608,6 +628,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- PIPELINE: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, stream=rank, devices=[device])  # --- PIPELINE: each rank its own stream
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)

@@ -13,8 +13,9 @@ from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
 from distref.cost import Predicted
-from distref.cost.activations import predicted_for_run
+from distref.cost.activations import no_formula, predicted_for_run
 from distref.cost.memory import replicated
+from distref.cost.usage import model_usage
 from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -33,6 +34,7 @@ from distref.training.device import (
     param_dtype,
     pick_device,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import model_state_bytes
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=0) as prof:
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, devices=[device])
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
@@ -120,13 +125,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
-    # Model states (a full replica) and activations by formula (distref.cost), beside the measured ones;
-    # one process communicates nothing
+    # Model states (a full replica: gradients and optimizer state of the parameters that receive a
+    # gradient) and activations by formula (distref.cost), beside the measured ones; one process
+    # communicates nothing
     parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    model_states = None
+    if not usage.unknown:
+        trained = usage.trained_flags(model.named_parameters())
+        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
     predicted = Predicted(
         communication={},
-        model_states=replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize),
+        model_states=model_states,
         activations=predicted_for_run(cfg, info),
+        unavailable={"model_states": usage.unknown, "activations": no_formula(cfg.model, cfg.precision)},
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

@@ -53,8 +53,15 @@ from distref.config import (
     under_torchrun,
 )
 from distref.cost import Predicted
-from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
+from distref.cost.activations import no_formula
+from distref.cost.tensor_parallel import (
+    planned_model_states,
+    planned_split,
+    tensor_parallel,
+    tensor_parallel_model_states,
+)
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
+from distref.cost.usage import model_usage
 from distref.data import (
     DatasetInfo,
     TensorData,
@@ -66,6 +73,7 @@ from distref.data import (
 )
 from distref.distributed import (
     all_reduce_sum,
+    check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
@@ -91,6 +99,8 @@ from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
+    seed_step,
+    stream_seed,
     synchronize,
 )
 from distref.training.measure import model_state_bytes
@@ -144,6 +154,52 @@ def apply_own_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     (`own_plan_problem`)."""
     plan = {name: STYLES[style]() for name, style in model.tp_plan.items()}
     return parallelize_module(model, tp_mesh, plan)
+
+
+class RandomStreams:
+    """The random streams tensor parallelism needs for dropout (Megatron's RNG tracker, here driven by the
+    plan). Outside the split layers, activations are whole on every rank of a tensor-parallel group: their
+    masks must be equal there, or the replicas part; `shared` is one stream per data-parallel group (per
+    rank under sequence parallelism, where each rank holds other tokens). Inside a split region, from a
+    colwise layer's output to the next rowwise layer's input, each rank holds other hidden units: their
+    masks must be independent. On entering one, the generators are seeded from a number drawn from the
+    shared CPU stream and the rank's index in its group, and put back on leaving: activation
+    checkpointing, which restores the shared stream to recompute, then recomputes the same masks."""
+
+    def __init__(self, mesh: DeviceMesh, sequence_parallel: bool, device: torch.device):
+        self.tp_rank, self.device = mesh["tp"].get_local_rank(), device
+        dp_rank, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].size()
+        self.shared = dp_rank * tp + self.tp_rank if sequence_parallel else dp_rank
+        self.outside: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the shared states, inside
+
+    def attach(self, model: nn.Module, plan: dict[str, str]) -> None:
+        """Enter a split region after each colwise layer of `plan`, leave it before each rowwise one."""
+        for name, style in plan.items():
+            if style == "colwise":
+                model.get_submodule(name).register_forward_hook(self.enter)
+            else:
+                model.get_submodule(name).register_forward_pre_hook(self.leave)
+
+    def enter(self, *_) -> None:
+        if self.outside is not None:  # (q, k and v: three colwise layers open one region)
+            return
+        drawn = int(torch.randint(2**62, (1,)))  # from the shared CPU stream: the same on the whole group
+        cuda = self.device.type == "cuda"
+        self.outside = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        torch.random.default_generator.manual_seed(stream_seed(drawn, 0, self.tp_rank, "cpu"))
+        if cuda:
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(
+                stream_seed(drawn, 0, self.tp_rank, str(self.device))
+            )
+
+    def leave(self, *_) -> None:
+        if self.outside is None:
+            return
+        cpu_state, cuda_state = self.outside
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, self.device)
+        self.outside = None
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions) -> nn.Module:
@@ -204,14 +260,18 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, options: TPOptions) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, options: TPOptions, streams: RandomStreams | None = None
+) -> nn.Module:
     """Split every layer over the tensor-parallel group, then, on a 2-D mesh, shard the slices over the
-    data-parallel groups (torchtitan's `parallelize_*`: apply_tp, then apply_fsdp)."""
-    model = (
-        apply_own_plan(model, mesh["tp"])
-        if hasattr(model, "tp_plan")
-        else apply_tp(model, mesh["tp"], options)
-    )
+    data-parallel groups (torchtitan's `parallelize_*`: apply_tp, then apply_fsdp). A model of yours
+    draws its split regions' random numbers from `streams` (this project's models draw none)."""
+    if hasattr(model, "tp_plan"):
+        if streams is not None:
+            streams.attach(model, model.tp_plan)
+        model = apply_own_plan(model, mesh["tp"])
+    else:
+        model = apply_tp(model, mesh["tp"], options)
     if mesh["dp_shard"].size() > 1:
         model = apply_fsdp(model, mesh["dp_shard"])
     return model
@@ -293,9 +353,9 @@ def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
     two all-reduces forward and two backward of b·s·h (sequence parallel: all-gathers and reduce-scatters
     instead), the embeddings' and the loss's, FSDP2's over the dp_shard groups; this rank's slices of
     every parameter, gradient and optimizer state; the activations it holds (its heads, its MLP units).
-    A model of yours: no formula (yet), nothing predicted."""
+    A model of yours: `own_model_tp_cost`."""
     if is_factory(cfg.model):
-        return Predicted()
+        return own_model_tp_cost(mesh, cfg, info)
     gpt = GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=cfg.gpt_layers)
     dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
     shape = dict(layers=gpt.n_layer, hidden=gpt.n_embd, vocabulary=gpt.vocab_size, sequence=gpt.block_size)
@@ -321,6 +381,9 @@ def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
         step_bytes=torch.get_default_dtype().itemsize,
     )
     activations = None  # (bf16 autocast and FSDP2's gathered slices on the 2-D mesh: no formula yet)
+    no_activation_formula = no_formula(cfg.model, cfg.precision) or (
+        f"no activation formula on the 2-D mesh (--dp-shard {dp}: FSDP2's gathered slices)"
+    )
     if cfg.precision in ("fp32", "fp64") and dp == 1:
         activations = tensor_parallel_activation_bytes(
             micro_batch=cfg.global_batch_size // cfg.grad_accum,
@@ -336,7 +399,44 @@ def tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
             element_bytes=element,
             checkpointed=cfg.activation_checkpointing,
         )
-    return Predicted(communication=communication, model_states=model_states, activations=activations)
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=activations,
+        unavailable={"activations": no_activation_formula},
+    )
+
+
+def own_model_tp_cost(mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo) -> Predicted:
+    """A model of yours split by its tp_plan, on a 1-D mesh: this rank's slice of each parameter (its
+    plan's: colwise by rows, rowwise by columns, the rest whole) and, for those that receive a gradient,
+    of the gradient and optimizer state. Its communication and activations have no formula: what its
+    plan's layers gather and reduce depends on what surrounds them."""
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    dp, tp = mesh["dp_shard"].size(), mesh["tp"].size()
+    model_states = None
+    if not usage.unknown and dp == 1:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            whole = build_model(cfg.model, info, cfg.gpt_layers)  # (its names and shapes)
+        named = list(whole.named_parameters())
+        model_states = planned_model_states(
+            [(p.shape, planned_split(whole.tp_plan, name)) for name, p in named],
+            tp,
+            mesh["tp"].get_local_rank(),
+            cfg.optimizer,
+            element_bytes=param_dtype(cfg).itemsize,
+            step_bytes=torch.get_default_dtype().itemsize,
+            trained=usage.trained_flags(named),
+        )
+    return Predicted(
+        model_states=model_states,
+        unavailable={
+            "communication": f"no communication formula for --model {cfg.model}: what its tp_plan's layers "
+            "gather and reduce depends on the layers around them",
+            "model_states": usage.unknown or f"no model-state formula for {cfg.model} on the 2-D mesh",
+            "activations": no_formula(cfg.model, cfg.precision),
+        },
+    )
 
 
 # --- end TP strategy ---
@@ -362,13 +462,17 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    # --- TP: every rank read the data and built the model itself: they must agree (one all-gather)
+    with exit_on_bad_input(IMPL, say=is_main):
+        check_ranks_agree(cfg, train_set, test_set, model)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- TP: split every layer over the tensor-parallel group, then shard over the data-parallel groups
     # (every rank built the same parameters, same seed: each keeps its slice). A plain copy of the model
     # scores the gathered parameters (evaluation), kept on the CPU between evaluations (evaluate_gathered).
     eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
     eval_model.load_state_dict(model.state_dict())  # (the same parameters, for own_plan_problem)
-    model = parallelize(model, mesh, cfg.strategy)
+    streams = RandomStreams(mesh, cfg.strategy.sequence_parallel, device)  # dropout's (RandomStreams)
+    model = parallelize(model, mesh, cfg.strategy, streams)
     # A plan of yours, checked once: does the split model compute what the whole one does?
     if is_factory(cfg.model) and (problem := own_plan_problem(model, eval_model, train_set, cfg, device)):
         fail(problem, f"{IMPL}/train.py") if is_main else exit_after_rank_0_spoke(2)
@@ -412,6 +516,9 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- TP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
+            # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
+            # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
+            seed_step(cfg.seed, step, stream=streams.shared, devices=[device])  # --- TP: RandomStreams
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)

@@ -32,7 +32,7 @@ from distref.impl_folders import discover, validate
 from distref.parity import SHORT_STEPS, exact_parity
 from distref.ranks import cuda_gpus, largest_fitting, workload_problem
 from distref.record import RunRecord, load_record
-from distref.report import build_report
+from distref.report import TARGETS, build_report
 
 DEFAULT_WORKLOAD = {
     "--model": "lenet",
@@ -41,10 +41,7 @@ DEFAULT_WORKLOAD = {
     "--global-batch-size": "64",
     "--optimizer": "adamw",
     "--lr": "2e-3",
-    # A target on the steep part of the curve, so that time to target measures speed, not noise: single
-    # scores 0.933 at step 100 and 0.960 at 200 (50 test images above 0.955). The former 0.97 sat on a
-    # plateau (0.969, 0.973, 0.970 at steps 300, 350, 400) where 30 images moved it by 100 steps.
-    "--target-accuracy": "0.955",
+    # --target-accuracy: the workload's own (TARGETS, by model and dataset; with_target), or none
     "--eval-every": "100",
     "--log-every": "50",
 }
@@ -65,6 +62,29 @@ def made_for_the_model(
         if available[impl]["models"] and model not in available[impl]["models"]
     }
     return [impl for impl in chosen if impl not in left_out], list(left_out.items())
+
+
+def with_target(run_args: list[str]) -> tuple[list[str], str]:
+    """`run_args` with the target accuracy of their model and dataset (distref.report.TARGETS) unless
+    they give one, and a line saying which target applies: a target belongs to its data (MNIST's 0.955
+    says nothing of another dataset's curve), so a workload without its own runs without one, said so."""
+    options = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    options.add_argument("--model", default="lenet")
+    options.add_argument("--dataset", default="mnist")
+    options.add_argument("--target-accuracy")
+    given, _ = options.parse_known_args(run_args)
+    if given.target_accuracy is not None:
+        return run_args, f"target accuracy {given.target_accuracy} (given)"
+    target = TARGETS.get((given.model, given.dataset))
+    if target is None:
+        known = ", ".join(f"{m} on {d} {t}" for (m, d), t in TARGETS.items())
+        return run_args, (
+            f"no target accuracy: none is known for --model {given.model} --dataset {given.dataset} "
+            f"(compare's: {known}); give --target-accuracy to measure a time to target"
+        )
+    return [*run_args, "--target-accuracy", str(target)], (
+        f"target accuracy {target} ({given.model} on {given.dataset}'s)"
+    )
 
 
 def default_world_size(available: dict[str, dict], chosen: list[str], run_args: list[str]) -> int:
@@ -124,11 +144,13 @@ def failure_reason(log_path: Path, code: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     defaults = " ".join(f"{option} {value}" for option, value in DEFAULT_WORKLOAD.items())
+    targets = ", ".join(f"{m} on {d}: {t}" for (m, d), t in TARGETS.items())
     parser = OneLineErrorParser(
         prog="python -m distref.compare",
         description=__doc__.splitlines()[0],
         epilog=f"Any other option is a run option passed to every impl's train.py (see its --help). Unless "
-        f"given, the workload is: {defaults}.",
+        f"given, the workload is: {defaults}; --target-accuracy is the model and dataset's own ({targets}), "
+        "none for the others.",
     )
     parser.add_argument(
         "--impls", help="comma-separated impls; single is always added (default: every impls/*/train.py)"
@@ -152,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         chosen.insert(0, "single")
     if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be >= 1")
-    run_args = with_defaults(DEFAULT_WORKLOAD, run_args)
+    run_args, target_said = with_target(with_defaults(DEFAULT_WORKLOAD, run_args))
+    print(f"compare: {target_said}", flush=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("runs") / "compare" / stamp)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from distref.config import PARSE_TIMES, RunConfig, under_torchrun
+from distref.cost import FORMULAS
 from distref.provenance import git_sha
 from distref.schedulers import scheduler_info
 
@@ -339,6 +340,13 @@ class RunRecord:
             self.data["communication"]["predicted"] = every_rank("communication")
         if self.data["activation_bytes"] is not None:
             self.data["activation_bytes"]["predicted"] = every_rank("activations")
+        # Where a formula is missing, why: the first reason a rank gives (Predicted.unavailable)
+        reasons = {}
+        for key in FORMULAS:
+            given = [p["unavailable"][key] for p in per_rank if key in p.get("unavailable", {})]
+            if every_rank(key) is None and given:
+                reasons[key] = given[0]
+        self.data["predicted_unavailable"] = reasons
 
     def _counting_overhead(self) -> None:
         """What counting communication cost: the counted step's time minus the median of this session's

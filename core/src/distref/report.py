@@ -29,15 +29,28 @@ from distref.record import load_record
 # (as for resuming it: the model, the data, the optimizer's trajectory), and its length and target.
 WORKLOAD_KEYS = (*RUN_DEFINING_OPTIONS, "epochs", "steps", "target_accuracy")
 
+# compare's target accuracy by (model, dataset; synthetic data is images for lenet, digit reversal for
+# gpt), from single's test accuracy under compare's default workload (1 epoch, evaluated every 100
+# steps; docs/report.md gives the curves). A target belongs to its data: a workload not listed gets none, not
+# another's. Each value is distinct, so that a report can tell whose target a run had.
+TARGETS: dict[tuple[str, str], float] = {
+    ("lenet", "mnist"): 0.955,  # 0.933 at step 100, 0.960 at 200: on the steep part
+    ("lenet", "synthetic"): 0.96,  # 0.946, 0.959, 0.966, 0.974 at steps 70-100: reached at the first eval
+    ("gpt", "synthetic"): 0.95,  # 0.993 from step 30: reached at the first eval
+    ("gpt", "masked"): 0.75,  # 0.647, 0.682, 0.773 at steps 100, 200, 300: on the steep part
+}
+
 
 TARGET_NOTE = (
     "Time to target is counted as MLPerf counts it: from the end of initialisation (the first step) to "
     "the end of the first evaluation reaching the target, evaluation included; 'of which training' is "
     "the optimizer steps alone. Start-up (process start to the first step: imports, data, model, process "
     "group, engine) is left out of it and shown beside it; wall time counts everything from process start. "
-    "Evaluation is part of the strategy's cost: ddp scores its test-set shard on every rank, so it "
-    "evaluates about world-size times faster than single. Time to target moves in whole evaluation "
-    "intervals: compare the step at which each run got there too."
+    "Time to target moves in whole evaluation intervals: compare the step at which each run got there too. "
+    "A target belongs to its data: compare's are "
+    + ", ".join(f"{t} for {m} on {d}" for (m, d), t in TARGETS.items())
+    + ", none for other workloads. A run without a target shows *none*; one whose target is compare's "
+    "for another dataset says whose, not *not reached*."
 )
 
 PARITY_NOTE = (
@@ -348,27 +361,39 @@ def predicted_communication(record: dict[str, Any]) -> list[dict] | None:
     return [p or {} for p in predicted] if predicted else None
 
 
-def plot_communication(runs: list[Run], out: Path) -> str | None:
-    """Bytes per step by strategy: the rank that moves the most, stacked by kind, its formula's total
-    beside it; None when no run recorded its communication."""
-    shown = [(r, m) for r in runs if (m := measured_communication(r.record)) is not None]
-    if not shown:
-        return None
-    busiest = []  # per run: (the rank, its counts, its formula's total bytes or None)
-    for run, measured in shown:
+def communication_bars(runs: list[Run]) -> list[tuple[Run, int, dict[str, float], float | None]]:
+    """Per run that recorded its communication: (the run, its busiest rank (the table's), that rank's
+    bus bytes by kind, its formula's total bus bytes or None). Bus bytes, as the cost table's column and
+    docs/cost-model.md compare strategies: the raw bytes count an all-gather's whole output, of which a
+    rank of n moves (n-1)/n, and an all-reduce's message once, which a ring moves 2(n-1)/n times."""
+    bars = []
+    for run in runs:
+        if (measured := measured_communication(run.record)) is None:
+            continue
         rank = busiest_rank(measured)
         predicted = predicted_communication(run.record)
-        formula = sum(c["bytes"] for c in predicted[rank].values()) if predicted else None
-        busiest.append((rank, measured[rank], formula))
-    most = max([sum(c["bytes"] for c in m.values()) for _, m, _ in busiest] + [1])
+        formula = sum(c.get("bus_bytes", 0.0) for c in predicted[rank].values()) if predicted else None
+        bars.append((run, rank, {k: c.get("bus_bytes", 0.0) for k, c in measured[rank].items()}, formula))
+    return bars
+
+
+def plot_communication(runs: list[Run], out: Path) -> str | None:
+    """Bus bytes per step by strategy: the rank that moves the most bytes, stacked by kind, its
+    formula's total beside it; None when no run recorded its communication."""
+    bars = communication_bars(runs)
+    if not bars:
+        return None
+    shown = [run for run, _, _, _ in bars]
+    busiest = [(rank, by_kind, formula) for _, rank, by_kind, formula in bars]
+    most = max([sum(m.values()) for _, m, _ in busiest] + [1])
     unit, scale = next((u, 2.0**e) for u, e in (("MiB", 20), ("KiB", 10), ("B", 0)) if most >= 2**e)
-    title = "communication per step (the rank moving the most bytes), by kind"
-    fig, ax = _figure(title, [r for r, _ in shown], size=(max(8.0, 3 + 1.3 * len(shown)), 4.5))
+    title = "bus bytes per step (the rank moving the most bytes), by kind"
+    fig, ax = _figure(title, shown, size=(max(8.0, 3 + 1.3 * len(shown)), 4.5))
     kinds = _kinds([m for _, m, _ in busiest])
     x = list(range(len(shown)))
     bottom = [0.0] * len(shown)
     for kind in kinds:
-        heights = [m.get(kind, {}).get("bytes", 0) / scale for _, m, _ in busiest]
+        heights = [m.get(kind, 0.0) / scale for _, m, _ in busiest]
         colour = f"C{KINDS.index(kind)}" if kind in KINDS else None
         ax.bar(x, heights, 0.6, bottom=bottom, label=kind, color=colour)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
@@ -386,12 +411,12 @@ def plot_communication(runs: list[Run], out: Path) -> str | None:
     for i, (_, m, _) in enumerate(busiest):
         if not m:
             ax.text(i, 0, "none", ha="center", va="bottom", fontsize=8)
-    names = [r.label.replace(" ", "\n", 1) for r, _ in shown]  # "ddp\n×2": narrow enough side by side
+    names = [r.label.replace(" ", "\n", 1) for r in shown]  # "ddp\n×2": narrow enough side by side
     ax.set_xticks(
         x, [f"{n}\n(rank {rank})" for n, (rank, _, _) in zip(names, busiest, strict=True)], fontsize=8
     )
     ax.set_ylim(0, 1.1 * max([*bottom, *(f for _, f in formula), 1 / scale]))  # the formula's marks show
-    ax.set_ylabel(f"{unit} per optimizer step")
+    ax.set_ylabel(f"bus bytes ({unit}) per optimizer step")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, out / "communication_per_step.png")
 
@@ -459,6 +484,71 @@ def plot_timeline(run: Run, out: Path, name: str) -> str:
 
 def _fmt(value: Any, spec: str = "", none: str = "—") -> str:
     return none if value is None else format(value, spec)
+
+
+def _seconds(value: float | None) -> str:
+    """Seconds to two significant figures at least (0.052, 0.12, 3.4, 61.2): times the report compares
+    (evaluation's) must not show as one figure (0.1) where they differ, nor as 0.0."""
+    if value is None:
+        return "—"
+    return f"{value:.1f}" if value >= 1 else f"{value:#.2g}"
+
+
+def evaluated(record: dict[str, Any]) -> bool:
+    """Whether the run evaluated, and its record says how long that took."""
+    return bool(record.get("evals")) and record.get("eval_time_s") is not None
+
+
+def evaluation_comparison(runs: list[Run], baseline: Run | None) -> str:
+    """A sentence setting each run's evaluation time beside single's, from the figures the throughput
+    table shows (so that its words follow from them); empty without a baseline that evaluated."""
+    if baseline is None or not evaluated(baseline.record):
+        return ""
+    base = _seconds(baseline.record.get("eval_time_s"))
+    said = []
+    for run in runs:
+        if run is baseline or not run.ok or not evaluated(run.record):
+            continue
+        shown = _seconds(run.record.get("eval_time_s"))
+        ratio = float(base) / float(shown) if float(shown) and float(base) else None
+        if ratio is None:
+            how = "beside single"
+        elif round(ratio, 1) == 1.0:
+            how = "about as fast as single"
+        elif ratio > 1:
+            how = f"{ratio:.1f}× faster than single"
+        else:
+            how = f"{1 / ratio:.1f}× slower than single"
+        said.append(f"{run.label} {how} ({shown} s against {base} s)")
+    if not said:
+        return ""
+    return (
+        "Evaluation is part of the strategy's cost (a strategy that scores a shard of the test set on each "
+        "rank, as ddp does, can evaluate faster than single; one that gathers the model first, slower). "
+        "Here, from the evaluation column above: " + "; ".join(said) + "."
+    )
+
+
+def whose_target(record: dict[str, Any]) -> str | None:
+    """The workload ("lenet on mnist") whose target (TARGETS) the run's target is, where that is
+    another dataset's and not the run's own: then it says nothing about this run's learning curve."""
+    cfg, target = record["config"], record["target_accuracy"]
+    if target is None or TARGETS.get((cfg["model"], cfg["dataset"])) == target:
+        return None
+    return next((f"{m} on {d}" for (m, d), t in TARGETS.items() if t == target and d != cfg["dataset"]), None)
+
+
+def target_cells(record: dict[str, Any]) -> list[str]:
+    """[target, time to target (s)]: *none* for a run without a target, and where the run's target is
+    another dataset's (compare's before targets were per dataset), whose it is rather than *not
+    reached*."""
+    target, reached = record["target_accuracy"], record["time_to_target_s"]
+    if target is None:
+        return ["none", "— (no target)"]
+    if (owner := whose_target(record)) is not None:
+        ours = f"{record['config']['model']} on {record['config']['dataset']}"
+        return [f"{target} ({owner}'s)", _fmt(reached, ".1f", none=f"n/a: {owner}'s target, not {ours}'s")]
+    return [_fmt(target), _fmt(reached, ".1f", none="not reached")]
 
 
 def formula_bubble(record: dict[str, Any]) -> float | None:
@@ -651,8 +741,13 @@ def is_pipeline(run: Run) -> bool:
     return run.record.get("bubble_fraction") is not None or bool(strategy.get("timeline"))
 
 
+def reference_run(runs: list[Run]) -> Run | None:
+    """The run the others are measured against: the first completed run of single."""
+    return next((r for r in runs if r.impl == "single" and r.ok), None)
+
+
 def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
-    baseline = next((r for r in runs if r.impl == "single" and r.ok), None)
+    baseline = reference_run(runs)
     base_state = baseline.final_state() if baseline else None
     parity, speed, target, memory, held, versions = [], [], [], [], [], []
     cost = [cost_row(run) for run in runs]
@@ -672,18 +767,19 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
                 _fmt(efficiency, ".2f", none="reference" if run is baseline else "—"),
                 _fmt(rec.get("startup_time_s"), ".1f"),
                 _fmt(rec.get("train_time_s"), ".1f"),
-                _fmt(rec.get("eval_time_s"), ".1f"),
+                _seconds(rec.get("eval_time_s")),
                 _fmt(rec["wall_time_s"], ".1f"),
             ]
         )
         reached = rec["time_to_target_s"]
         first = next((e for e in rec["evals"] if e["elapsed_s"] == reached), None) if reached else None
+        target_shown, reached_shown = target_cells(rec)
         target.append(
             [
                 run.label,
-                _fmt(rec["target_accuracy"]),
+                target_shown,
                 _fmt(rec["final_accuracy"], ".4f"),
-                _fmt(reached, ".1f", none="not reached" if rec["target_accuracy"] else "—"),
+                reached_shown,
                 _fmt(first and first["step"]),
                 _fmt(first and training_time_to(rec, first["step"]), ".1f"),
                 _fmt(rec.get("startup_time_s"), ".1f"),
@@ -903,6 +999,7 @@ def build_report(
     workload = "mixed workloads" if differences else describe_workload(runs[0].record["config"])
     failures = [[r.label, as_text(r.record.get("error") or "failed"), str(r.path)] for r in runs if not r.ok]
     table_data = tables(runs)
+    baseline = reference_run(runs)
 
     md = [f"# distref comparison: {workload}", ""]
     if differences:
@@ -918,7 +1015,7 @@ def build_report(
         if title.startswith("Parity"):
             md += [PARITY_NOTE, ""]
         if title.startswith("Time to target"):
-            md += [TARGET_NOTE, ""]
+            md += [" ".join(filter(None, [TARGET_NOTE, evaluation_comparison(runs, baseline)])), ""]
         if title.startswith("Throughput"):
             md += [EFFICIENCY_NOTE, ""]
         if title == COST_TITLE:

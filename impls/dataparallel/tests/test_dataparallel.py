@@ -26,6 +26,7 @@ from distref.testing import (
     skip_where_torchvision_cannot_serve,
     train_path,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 
 TRAIN = str(train_path("dataparallel"))
@@ -44,6 +45,13 @@ def test_model_states_and_activations_equal_the_formulas(dataparallel_train, ext
     assert record["communication"]["measured"] == record["communication"]["predicted"] == [{}]
     check_model_states_predicted(record)
     check_activations_predicted(record)
+
+
+def test_frozen_and_unused_parameters_hold_no_gradient_or_optimizer_state(dataparallel_train, tmp_path):
+    """A model of yours with frozen and unused parameters: only those that receive a gradient have one
+    and optimizer state, as the formula says."""
+    record = dataparallel_train.main([*PARTLY_TRAINED_RUN, "--out", str(tmp_path)])
+    check_partly_trained_predicted(record)
 
 
 def test_masked_targets_with_accumulation_equal_plain_single(dataparallel_train, single_reference, tmp_path):

@@ -43,6 +43,7 @@ from distref.testing import (
     torchrun,
     train_path,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 from distref.training.checkpoint import checkpoint_state, save_checkpoint
 
@@ -489,6 +490,23 @@ def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     check_activations_predicted(record)
     all_reduce = record["communication"]["measured"][0]["all_reduce"]
     assert all_reduce["calls"] >= (2 if "--bucket-cap-mb" in extra else 1)
+
+
+@pytest.mark.parametrize(
+    "world_size, extra",
+    [
+        (2, []),  # an unused parameter: find_unused_parameters, and its map all-reduced every step
+        # 100-byte buckets, filled in backward's order after the unused gradients: 5 (6 had they come last)
+        (3, ["--grad-accum", "2", "--bucket-cap-mb", "0.0000954"]),
+        (2, ["--model", "distref.testing.partly_trained:frozen_mlp"]),  # frozen only: left out of buckets
+    ],
+    ids=["w2-frozen-and-unused", "w3-accum-small-buckets", "w2-frozen"],
+)
+def test_cost_of_frozen_and_unused_parameters_equals_the_formulas(world_size, extra, tmp_path):
+    """A model of yours with frozen and unused parameters: DDP's buckets hold the trainable ones (an
+    unused one's zero gradient too), gradients and optimizer state only those that receive a gradient."""
+    run_ddp(world_size, [*PARTLY_TRAINED_RUN, *extra, "--out", str(tmp_path)])
+    check_partly_trained_predicted(json.loads((tmp_path / "record.json").read_text()))
 
 
 def test_parity_with_single_on_your_model(tmp_path):

@@ -6,7 +6,9 @@ test_parity_with_single_on_your_model gives the same proof on yours (distref.tes
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import sys
 
 import pytest
@@ -31,6 +33,7 @@ from distref.testing import (
     self_launched,
     train_path,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 from distref.training import CheckpointError, latest_checkpoint
 
@@ -224,6 +227,25 @@ def test_checkpoint_of_another_layout_or_altered_is_refused_in_one_line(tmp_path
             4,
             "--global-batch-size 10 must be divisible by world size × --grad-accum = 4 × 1 = 4",
         ),
+        (  # 13107 elements: DeepSpeed asserts on every rank
+            ["--zero-stage", "2", "--bucket-mb", "0.05"],
+            2,
+            "--bucket-mb 0.05 is 13,107 elements of 4 bytes; DeepSpeed 0.19 at ZeRO stage 2 takes an even "
+            "number (its buckets align to 2 elements): use e.g. --bucket-mb 0.049996 (13,106) or 0.050004 "
+            "(13,108)",
+        ),
+        (  # 0 elements: DeepSpeed's config refuses it (pydantic) on every rank
+            ["--zero-stage", "3", "--bucket-mb", "1e-6"],
+            2,
+            "--bucket-mb 1e-06 is 0 elements of 4 bytes; DeepSpeed 0.19 at ZeRO stage 3 takes at least 1: "
+            "use e.g. --bucket-mb 0.000004 (1)",
+        ),
+        (
+            ["--zero-stage", "1", "--bucket-mb", "1e-6"],
+            2,
+            "--bucket-mb 1e-06 is 0 elements of 4 bytes; DeepSpeed 0.19 at ZeRO stage 1 takes an even "
+            "number (its buckets align to 2 elements): use e.g. --bucket-mb 0.00001 (2)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_any_process_group(argv, world, message, capsys):
@@ -232,6 +254,33 @@ def test_bad_input_is_one_line_before_any_process_group(argv, world, message, ca
         zero.parse_options(["--dataset", "synthetic", *argv], world)
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"deepspeed_zero/train.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("megabytes", [0.05, 1e-6, 7.6e-6, 0.0625, 0.005])
+def test_bucket_sizes_refused_are_those_deepspeed_refuses_and_those_named_it_takes(stage, megabytes):
+    """DeepSpeed's own checks on a --bucket-mb, on its config and its stage-1/2 optimizer: this impl
+    refuses exactly the sizes they refuse, and every size its message names passes them."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    zero = load_train_module(IMPL)
+    stage_1_and_2 = inspect.getsource(DeepSpeedZeroOptimizer.__init__)  # its assertion, mirrored below
+    assert "self.nccl_start_alignment_factor = 2" in stage_1_and_2
+    assert "allgather_bucket_size % self.nccl_start_alignment_factor == 0" in stage_1_and_2
+
+    def deepspeed_takes(elements: int) -> bool:
+        try:
+            DeepSpeedZeroConfig(stage=stage, reduce_bucket_size=elements, allgather_bucket_size=elements)
+        except ValueError:  # (pydantic's ValidationError)
+            return False
+        return stage not in (1, 2) or elements % 2 == 0  # stage_1_and_2.py's assertion
+
+    problem = zero.bucket_problem(megabytes, stage)
+    assert (problem is None) == deepspeed_takes(zero.bucket_elements(megabytes))
+    for suggested in re.findall(r"(?:--bucket-mb|or) ([0-9.e-]+) \(", problem or ""):
+        assert zero.bucket_problem(float(suggested), stage) is None
+        assert deepspeed_takes(zero.bucket_elements(float(suggested)))
 
 
 def test_missing_deepspeed_is_one_line(monkeypatch, capsys):
@@ -318,9 +367,15 @@ def test_bf16_on_gpus_trains_within_a_band_of_fp32(single_train, tmp_path):
 
 
 # 0.0625 MB = 16384 elements: gpt's 102400 parameters fill 11 reduce buckets (a --bucket-mb giving an odd
-# number of elements is refused by DeepSpeed: allgather_bucket_size must be a multiple of 2).
+# number of elements is refused at stages 1 and 2: allgather_bucket_size must be a multiple of 2). 0.005 MB
+# = 1310 elements, less than lenet's fc1 and conv2 weights: each is all-reduced in one piece per partition
+# it spans (fc1's 16000 elements: 3 at 3 and 4 ranks).
 COST_CASES = {
+    "stage0-lenet-w2": (0, 2, ["--model", "lenet"]),  # DDP's: one all-reduce, a replica of the states
     "stage1-lenet-w2": (1, 2, ["--model", "lenet"]),
+    "stage1-lenet-w4-small-buckets": (1, 4, ["--model", "lenet", "--bucket-mb", "0.005"]),
+    "stage2-lenet-w3-small-buckets": (2, 3, ["--model", "lenet", "--bucket-mb", "0.005"]),
+    "stage2-lenet-w1": (2, 1, ["--model", "lenet"]),  # one rank: nothing to gather
     "stage1-gpt-w2-buckets": (1, 2, ["--model", "gpt", "--bucket-mb", "0.0625"]),  # in parameter order
     "stage2-gpt-w3-padded": (2, 3, ["--model", "gpt"]),  # 102400 → 102402 elements: rank 2 holds padding
     "stage2-gpt-w2-buckets": (2, 2, ["--model", "gpt", "--bucket-mb", "0.0625"]),  # in backward's order
@@ -340,11 +395,32 @@ def test_cost_equals_the_formulas(case, tmp_path):
     record = check_communication_predicted(tmp_path, world)
     check_model_states_predicted(record)
     check_activations_predicted(record)
-    measured = record["communication"]["measured"][0]
-    if stage < 3:  # ZeRO-DP's 2Ψ of the paper, as an all-reduce of the gradients and an all-gather
-        assert set(measured) == {"all_reduce", "all_gather"}
-    else:
-        assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}
+    kinds = {  # stages 1/2: ZeRO-DP's 2Ψ of the paper, as an all-reduce of the gradients and an all-gather
+        0: {"all_reduce"},
+        1: {"all_reduce", "all_gather"},
+        2: {"all_reduce", "all_gather"},
+        3: {"all_gather", "reduce_scatter", "all_reduce"},
+    }[stage]
+    assert set(record["communication"]["measured"][0]) == (kinds - {"all_gather"} if world == 1 else kinds)
+
+
+@pytest.mark.parametrize(
+    "stage, extra",
+    [
+        (0, []),  # an unused parameter's gradient all-reduced as zeros, and stepped
+        (1, []),
+        (2, []),
+        (2, ["--model", "distref.testing.partly_trained:two_heads"]),  # a partition of unused ones only
+        (3, []),  # every parameter partitioned and gathered, frozen too; an unused module's: not gathered
+        (3, ["--model", "distref.testing.partly_trained:two_heads"]),
+    ],
+    ids=["stage0", "stage1", "stage2", "stage2-two-heads", "stage3", "stage3-two-heads"],
+)
+def test_cost_of_frozen_and_unused_parameters_equals_the_formulas(stage, extra, tmp_path):
+    """A model of yours with frozen and unused parameters: stages 0-2 leave the frozen ones out of their
+    buffers and partitions; only gradients that exist are reduced; every rank's states as the formula."""
+    run_zero(2, [*PARTLY_TRAINED_RUN, "--zero-stage", str(stage), *extra, "--out", str(tmp_path)])
+    check_partly_trained_predicted(json.loads((tmp_path / "record.json").read_text()))
 
 
 def test_parity_with_single_on_your_model(tmp_path):

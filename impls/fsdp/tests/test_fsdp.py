@@ -31,6 +31,7 @@ from distref.testing import (
     score_saved_model,
     self_launched,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 from distref.training import CheckpointError, check_listed_files
 
@@ -295,6 +296,23 @@ def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     if world_size == 3:  # uneven shards: the last rank holds fewer rows than the others
         held = [states["parameters"] for states in record["model_state_bytes"]]
         assert held[2] < held[0] == held[1]
+
+
+@pytest.mark.parametrize(
+    "world_size, extra",
+    [
+        (3, ["--grad-accum", "2"]),  # odd rows padded; gathers every micro-step
+        (4, ["--hsdp", "2"]),  # and the all-reduce over the replicas: of the reduced gradients only
+        (2, ["--model", "distref.testing.partly_trained:two_heads"]),  # a unit never called gathers nothing
+    ],
+    ids=["w3-accum2", "w4-hsdp2", "w2-a-block-never-called"],
+)
+def test_cost_of_frozen_and_unused_parameters_equals_the_formulas(world_size, extra, tmp_path):
+    """A model of yours with frozen and unused parameters: each unit gathers every parameter it holds,
+    frozen or not, and reduce-scatters those with a gradient (a frozen unit: nothing); gradients and
+    optimizer state only of those."""
+    run_fsdp(world_size, [*PARTLY_TRAINED_RUN, *extra, "--out", str(tmp_path)])
+    check_partly_trained_predicted(json.loads((tmp_path / "record.json").read_text()))
 
 
 def test_parity_with_single_on_your_model(tmp_path):

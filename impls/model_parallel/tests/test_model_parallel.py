@@ -31,6 +31,7 @@ from distref.testing import (
     self_launched,
     skip_where_torchvision_cannot_serve,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
@@ -277,6 +278,21 @@ def test_cost_equals_the_formulas(parts, extra, tmp_path):
         assert all(
             m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"]
         )
+
+
+def test_cost_of_frozen_and_unused_parameters_equals_the_formulas(tmp_path):
+    """A model of yours with frozen and unused parameters: each rank's model states hold gradients and
+    optimizer state of its parameters that receive a gradient only."""
+    run_mp([*PARTLY_TRAINED_RUN, "--nproc-per-node", "2", "--out", str(tmp_path)])
+    check_partly_trained_predicted(json.loads((tmp_path / "record.json").read_text()))
+
+
+def test_a_frozen_first_part_trains_the_rest_as_single_does(tmp_path):
+    """A frozen first block (a pretrained backbone): the first part's output needs no gradient, and its
+    backward (which failed: `element 0 of tensors does not require grad`) has nothing to do."""
+    args = [*PARTLY_TRAINED_RUN, "--optimizer", "sgd", "--lr", "0.05"]
+    args[1] = "distref.testing.partly_trained:frozen_first_block"
+    check_parity_on_your_model(lambda a: run_mp([*a, "--nproc-per-node", "2"]), tmp_path, args)
 
 
 def test_parity_with_single_on_your_model(tmp_path):

@@ -34,6 +34,7 @@ from distref.testing import (
     self_launched,
     skip_where_torchvision_cannot_serve,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 
 # A send or receive that waits longer than this fails the job (a hung test fails instead of hanging CI).
@@ -485,6 +486,21 @@ def test_cost_equals_the_formulas(case, tmp_path):
         # "I" and the rest at "W", a tensor two stages on one rank save (zbv, dualpipev) counted once
         check_activations_predicted(record)
     assert all(m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_cost_of_frozen_and_unused_parameters_equals_the_formulas(schedule, tmp_path):
+    """A model of yours with frozen and unused parameters: each rank's model states hold gradients and
+    optimizer state of its parameters that receive a gradient only (its stages' sends are unchanged)."""
+    run_pp(2, [*PARTLY_TRAINED_RUN, "--schedule", schedule, "--out", str(tmp_path)])
+    check_partly_trained_predicted(json.loads((tmp_path / "record.json").read_text()))
+
+
+def test_frozen_and_unused_parameters_train_over_pipelines_as_single_does(tmp_path):
+    """--dp 2: the pipelines sum their gradients, those that have one (a frozen or unused parameter has
+    none: its all-reduce failed on None)."""
+    args = [*PARTLY_TRAINED_RUN, "--optimizer", "sgd", "--lr", "0.05"]
+    check_parity_on_your_model(lambda a: run_pp(4, [*a, "--dp", "2"]), tmp_path, args)
 
 
 def test_the_record_holds_each_rank_s_timeline_of_one_step(tmp_path):

@@ -21,6 +21,7 @@ from distref.testing import (
     parity_args,
     skip_where_torchvision_cannot_serve,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 
 # lr 0.01: at 0.05 this synthetic workload amplifies fp32 rounding (sums in another order) to ~1e-4 in
 # 20 steps, above the parity tolerance (see PARITY_WORKLOADS in distref.testing).
@@ -198,3 +199,11 @@ def test_model_states_and_activations_equal_the_formulas(single_train, extra, tm
     assert record["communication"]["measured"] == record["communication"]["predicted"] == [{}]
     check_model_states_predicted(record)
     check_activations_predicted(record)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_frozen_and_unused_parameters_hold_no_gradient_or_optimizer_state(single_train, optimizer, tmp_path):
+    """A model of yours with frozen and unused parameters: only those that receive a gradient have one
+    and optimizer state, as the formula says (distref.cost.usage finds which)."""
+    record = single_train.main([*PARTLY_TRAINED_RUN, "--optimizer", optimizer, "--out", str(tmp_path)])
+    check_partly_trained_predicted(record)

@@ -30,6 +30,7 @@ from distref.testing import (
     score_saved_model,
     self_launched,
 )
+from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
 
 IMPL = "tensor_parallel"
@@ -314,6 +315,18 @@ def test_cost_equals_the_formulas(case, tmp_path):
     sent = record["communication"]["measured"][0]
     # sequence parallelism: each layer's all-reduce an all-gather and a reduce-scatter
     assert ("reduce_scatter" in sent) == ("--no-sequence-parallel" not in options or "--dp-shard" in options)
+
+
+def test_model_states_of_your_model_equal_the_formula_and_the_rest_says_why_not(tmp_path):
+    """A model of yours split by its tp_plan, with frozen and unused parameters: each rank's slices of
+    the parameters (colwise by rows, rowwise by columns, the rest whole), and gradients and optimizer
+    state of those that receive one, as the formula says; its communication has no formula, and the
+    record says why."""
+    run_tp(2, [*PARTLY_TRAINED_RUN, "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "record.json").read_text())
+    check_partly_trained_predicted(record, communication=False)
+    assert record["communication"]["predicted"] is None
+    assert "tp_plan" in record["predicted_unavailable"]["communication"]
 
 
 @pytest.mark.gpu

@@ -220,12 +220,28 @@ def gpt_shape(info, gpt_layers: int) -> dict:
 
 
 ELEMENT_BYTES = {"fp32": 4, "fp64": 8}  # precisions with a formula (autocast: none yet)
+MODELS_WITH_FORMULA = ("lenet", "resnet18", "gpt")
+
+
+def no_formula(model: str, precision: str) -> str | None:
+    """Why `formula_for` has no formula for this model in this precision (a line), or None."""
+    if model not in MODELS_WITH_FORMULA:
+        return (
+            f"no activation formula for --model {model}: what autograd saves is counted op by op for "
+            f"{', '.join(MODELS_WITH_FORMULA)} only"
+        )
+    if precision not in ELEMENT_BYTES:
+        return (
+            f"no activation formula under --precision {precision}: autocast saves some tensors in 16 bits, "
+            "some in fp32"
+        )
+    return None
 
 
 def formula_for(model: str, info, gpt_layers: int, precision: str, checkpointed: bool):
     """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo), or
-    None where there is no formula."""
-    if precision not in ELEMENT_BYTES:
+    None where there is no formula (`no_formula` says why)."""
+    if no_formula(model, precision) is not None:
         return None
     return model_blocks(model, info, gpt_layers, ELEMENT_BYTES[precision], checkpointed)
 

@@ -64,12 +64,20 @@ def optimizer_state_bytes(parameter_bytes: Sequence[int], optimizer: str, step_b
     raise ValueError(f"no formula for optimizer {optimizer!r}")
 
 
-def replicated(parameter_bytes: Sequence[int], optimizer: str, step_bytes: int = 4) -> dict[str, int]:
+def replicated(
+    parameter_bytes: Sequence[int],
+    optimizer: str,
+    step_bytes: int = 4,
+    trained: Sequence[bool] | None = None,
+) -> dict[str, int]:
     """Model states of a rank holding every parameter (single, DDP): parameters, gradients of the same
-    size, and the optimizer's state."""
-    total = sum(parameter_bytes)
+    size, and the optimizer's state — gradients and optimizer state only for the parameters that receive
+    a gradient (`trained`, default all: torch's optimizers skip one whose .grad is None; a frozen or
+    unused parameter has neither)."""
+    trained = [True] * len(parameter_bytes) if trained is None else trained
+    with_gradient = [size for size, t in zip(parameter_bytes, trained, strict=True) if t]
     return {
-        "parameters": total,
-        "gradients": total,
-        "optimizer": optimizer_state_bytes(parameter_bytes, optimizer, step_bytes),
+        "parameters": sum(parameter_bytes),
+        "gradients": sum(with_gradient),
+        "optimizer": optimizer_state_bytes(with_gradient, optimizer, step_bytes),
     }

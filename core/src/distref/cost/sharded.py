@@ -17,10 +17,13 @@ bytes of an element as gathered (the mixed-precision param_dtype) or reduced (it
     reduce_scatter: calls = U,                bytes = Σ_u P_u·b_reduce               (group S)
     all_reduce:     calls = U,                bytes = Σ_u P_u/S·b_reduce             (group R; HSDP only)
 
-With S = 1 nothing is gathered or scattered (FSDP2 skips both). Model states on a rank of shard index s,
+With S = 1 nothing is gathered or scattered (FSDP2 skips both). A unit gathers every parameter it holds,
+frozen or unread (a frozen unit whose backward never runs is still gathered again: the next unit's
+backward prefetches it), but reduce-scatters only those with a gradient: P_u then sums those, and a unit
+without any reduces nothing; a unit whose forward never runs gathers nothing. Model states on a rank of shard index s,
 for a parameter of d₀ rows: n_s = max(0, min(c, d₀ − s·c))·numel/d₀ elements of parameter, gradient and
 each optimizer moment (AdamW: 2, plus its step count per tensor; SGD: 1) — about (2 + 2 + K)Ψ/S
-(memory.zero_paper stage 3), exactly this sum.
+(memory.zero_paper stage 3), exactly this sum; gradient and moments only for parameters with a gradient.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 from collections.abc import Sequence
 
 from distref.cost.counts import Counts, add
-from distref.cost.memory import optimizer_state_bytes
+from distref.cost.memory import replicated
 
 Shape = Sequence[int]
 
@@ -55,21 +58,25 @@ def fsdp(
     gather_element_bytes: int = 4,
     reduce_element_bytes: int = 4,
     grad_accum: int = 1,
+    reduced_units: Sequence[Sequence[Shape]] | None = None,
 ) -> Counts:
     """One optimizer step of FSDP2 on one rank. `units`: each fully_shard unit's parameter shapes (units
-    without parameters communicate nothing); `resharded`: whether each frees its parameters after forward;
-    `shard_size` S and `replicas` R: the mesh (R·S ranks)."""
+    without parameters, or whose forward never runs, communicate nothing); `resharded`: whether each frees
+    its parameters after forward; `shard_size` S and `replicas` R: the mesh (R·S ranks);
+    `reduced_units`: each unit's shapes of the parameters that receive a gradient (default: all)."""
     counts: Counts = {}
-    for shapes, reshard in zip(units, resharded, strict=True):
+    for shapes, reduced, reshard in zip(units, reduced_units or units, resharded, strict=True):
         if not shapes:
             continue
         padded = sum(padded_numel(shape, shard_size) for shape in shapes)
+        padded_reduced = sum(padded_numel(shape, shard_size) for shape in reduced)
         if shard_size > 1:
             gathers = grad_accum * (2 if reshard else 1)
             add(counts, "all_gather", gathers * padded * gather_element_bytes, shard_size, calls=gathers)
-            add(counts, "reduce_scatter", padded * reduce_element_bytes, shard_size)
-        if replicas > 1:
-            add(counts, "all_reduce", padded // shard_size * reduce_element_bytes, replicas)
+            if reduced:
+                add(counts, "reduce_scatter", padded_reduced * reduce_element_bytes, shard_size)
+        if replicas > 1 and reduced:
+            add(counts, "all_reduce", padded_reduced // shard_size * reduce_element_bytes, replicas)
     return counts
 
 
@@ -80,16 +87,13 @@ def fsdp_model_states(
     element_bytes: int,
     optimizer: str,
     step_bytes: int = 4,
+    trained: Sequence[bool] | None = None,
 ) -> dict[str, int]:
     """Model-state bytes on the rank of shard index `shard_rank` (its rank modulo S): its rows of each
-    parameter (`shapes`, every unit's), a gradient of the same size, and the optimizer's state for them."""
+    parameter (`shapes`, every unit's), and for those that receive a gradient (`trained`, default all) a
+    gradient of the same size and the optimizer's state."""
     held = [
         rows_held(shape[0] if shape else 1, shard_size, shard_rank) * math.prod(shape[1:]) * element_bytes
         for shape in shapes
     ]
-    total = sum(held)
-    return {
-        "parameters": total,
-        "gradients": total,
-        "optimizer": optimizer_state_bytes(held, optimizer, step_bytes),
-    }
+    return replicated(held, optimizer, step_bytes, trained)  # (the same sums, over what this rank holds)

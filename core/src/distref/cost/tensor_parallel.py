@@ -74,7 +74,7 @@ import math
 from collections.abc import Sequence
 
 from distref.cost.counts import Counts, add, merge
-from distref.cost.memory import optimizer_state_bytes
+from distref.cost.memory import optimizer_state_bytes, replicated
 from distref.cost.sharded import fsdp, fsdp_model_states, rows_held
 
 Shape = tuple[int, ...]
@@ -264,3 +264,32 @@ def tensor_parallel_model_states(
     else:
         state = optimizer_state_bytes(parameter_bytes, optimizer, step_bytes)
     return {"parameters": sum(parameter_bytes), "gradients": sum(gradient_bytes), "optimizer": state}
+
+
+# How a plan's style splits a linear layer's parameters (torch's ColwiseParallel: weight and bias by
+# output rows; RowwiseParallel: weight by input columns, bias whole)
+PLAN_SPLITS = {("colwise", "weight"): "rows", ("colwise", "bias"): "rows", ("rowwise", "weight"): "columns"}
+
+
+def planned_split(plan: dict[str, str], parameter_name: str) -> str:
+    """How a model of yours split by `plan` ({linear layer's name: "colwise" | "rowwise"}) splits one
+    parameter: "rows", "columns" or "whole" (a parameter outside the plan's layers)."""
+    module, _, kind = parameter_name.rpartition(".")
+    return PLAN_SPLITS.get((plan.get(module, ""), kind), "whole")
+
+
+def planned_model_states(
+    parameters: Sequence[tuple[Shape, str]],
+    tp: int,
+    tp_rank: int,
+    optimizer: str,
+    *,
+    element_bytes: int = 4,
+    step_bytes: int = 4,
+    trained: Sequence[bool] | None = None,
+) -> dict[str, int]:
+    """Model-state bytes on tensor-parallel rank `tp_rank` of a model of yours split by its plan, on a 1-D
+    mesh: each parameter's (shape, `planned_split`) slice, and for those that receive a gradient
+    (`trained`, default all) a gradient of the slice's size and the optimizer's state for it."""
+    held = [math.prod(tp_slice(shape, split, tp, tp_rank)) * element_bytes for shape, split in parameters]
+    return replicated(held, optimizer, step_bytes, trained)  # (the same sums, over what this rank holds)

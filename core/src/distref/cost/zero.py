@@ -1,4 +1,4 @@
-"""Communication and model states of ZeRO stages 1-3 as DeepSpeed 0.19 does them (impls/deepspeed_zero).
+"""Communication and model states of ZeRO stages 0-3 as DeepSpeed 0.19 does them (impls/deepspeed_zero).
 
 ZeRO (Rajbhandari et al., arXiv 1910.02054, §5 and §7) partitions over the N data-parallel ranks the
 optimizer states (stage 1, P_os), also the gradients (stage 2, P_os+g), also the parameters (stage 3,
@@ -9,19 +9,27 @@ offload; reduce_bucket_size = allgather_bucket_size = stage3_prefetch_bucket_siz
 contiguous_gradients, overlap_comm from stage 2, stage3_param_persistence_threshold 0, gradient_clipping 0),
 differs from that in ways counted here, per rank and optimizer step, for Ψ parameters n_1 … n_k of b bytes:
 
+Stage 0 (runtime/engine.py, buffered_allreduce_fallback) is DDP: a replica on every rank, the gradients
+all-reduced once per step in parameter order, in all-reduces of just over 5e8 elements (a fixed size):
+
+    all_reduce: calls = ⌈Ψ / 5e8⌉ (about),   bytes = Ψ·b
+
 Stages 1 and 2 (runtime/zero/stage_1_and_2.py). The parameters are one flat buffer padded to a multiple
 of 2N elements (nccl_start_alignment_factor = 2): Ψ' = ⌈Ψ / 2N⌉·2N, partition P = Ψ'/N. Gradients go
 into reduce buckets, a bucket closed when the next gradient would pass B (stage 1 fills them in
 parameter order at the step's end, reduce_gradients; stage 2 in backward as they become ready, the
 parameters' reverse order). Each bucket is reduced by ONE all-reduce of the whole bucket, not a
 reduce-scatter (average_tensor with use_multi_rank_bucket_allreduce, on by default in 0.19): every
-rank receives every gradient and keeps its partition's. step() all-reduces the partition's gradient norm
+rank receives every gradient and keeps its partition's — in pieces where a gradient larger than B
+straddles partitions: each gradient is cut where a partition starts, and an all-reduce is issued as soon
+as the pieces it gathers exceed B (allreduce_and_scatter), so such a gradient costs one call per partition
+it touches (`bucket_all_reduces`; the bytes are the same). step() all-reduces the partition's gradient norm
 (one fp32 scalar, computed although clipping is off: scaled_global_norm) and all-gathers the updated
 flat parameters, one call for the whole buffer (all_gather_into_tensor; allgather_bucket_size then plays
 no part, runtime/utils.py all_gather_dp_groups):
 
-    all_reduce: calls = K'·buckets(n, B) + 1,  bytes = K'·Ψ·b + 4     (K' = 1 at stage 1, K at stage 2)
-    all_gather: calls = 1,                     bytes = Ψ'·b
+    all_reduce: calls = K'·pieces(n, B) + 1,  bytes = K'·Ψ·b + 4     (K' = 1 at stage 1, K at stage 2)
+    all_gather: calls = 1,                    bytes = Ψ'·b              (none on one rank)
 
 Stage 3 (runtime/zero/stage3.py, partition_parameters.py). Each parameter is padded on its own to a
 multiple of N: n'_i = ⌈n_i / N⌉·N, Ψ' = Σ n'_i. While Ψ ≤ B the first forward fetch prefetches every
@@ -44,35 +52,70 @@ P (stages 1, 2) or Ψ'/N (stage 3) elements that DeepSpeed keeps even in fp32:
                 gradients  = b·Σ{n_i : parameter i overlaps [rP, (r+1)P)} + b·(padding in that range) + 4
                 optimizer  = P·b (master) + 2P·b + s (AdamW) or P·b (SGD)
     stage 3     parameters = Ψ'/N·b,  gradients = Ψ'/N·b + 8,  optimizer as above with P = Ψ'/N
+    stage 0     parameters = gradients = Ψ·b, optimizer as torch's (memory.replicated)
 
 The stage 1/2 gradients are not the paper's Ψ/N: the contiguous partition buffer (copy_grads_in_partition)
 holds the WHOLE gradient of every parameter that overlaps the partition, so ranks differ; the +4 and +8 are
 the kept global gradient norm (fp32 at stages 1/2, fp64 at stage 3).
+
+Frozen and unused parameters (`uses`: distref.cost.usage). Stages 1/2 flatten and partition only the
+trainable (requires_grad) parameters — Ψ above counts those; a frozen one stays whole on every rank
+(parameters + its bytes) — and reduce only gradients that exist; a trainable parameter the forward never
+reads is nonetheless in the flat buffer, and a rank whose partition it overlaps holds, besides, a whole
+tensor of zeros for its gradient. Stage 3 partitions every parameter, gathers those of the modules whose
+forward runs (frozen ones too), reduce-scatters the gradients that exist, and keeps gradient and optimizer
+partitions for the trainable ones. Stage 0 all-reduces every trainable gradient, an unused one's as zeros
+(so it has optimizer state too), and none of a frozen one.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 from distref.cost.counts import Counts, add
+from distref.cost.memory import replicated
+from distref.cost.usage import ParameterUse
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: partitions start at multiples of 2·N elements
+STAGE0_ALLREDUCE_ELEMENTS = 500_000_000  # engine.py MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce bucket
 
 
-def reduce_buckets(numels: Sequence[int], bucket_elements: int) -> list[int]:
+def reduce_buckets(numels: Sequence[int], bucket_elements: int) -> list[list[int]]:
     """DeepSpeed's reduce buckets (reduce_independent_p_g_buckets_and_remove_grads, stages 1-3): gradients in
     order join the bucket; before one would take it past `bucket_elements` the bucket is reduced (an
-    empty one reduces nothing). Returns each bucket's elements."""
-    result, current = [], 0
+    empty one reduces nothing: a gradient larger than a bucket is one of its own). Returns each bucket's
+    gradients' elements, in order."""
+    result, current = [], []
     for n in numels:
-        if current + n > bucket_elements and current > 0:
+        if sum(current) + n > bucket_elements and current:
             result.append(current)
-            current = 0
-        current += n
+            current = []
+        current.append(n)
     if current:
         result.append(current)
     return result
+
+
+def bucket_all_reduces(bucket: Sequence[tuple[int, int]], partition: int, bucket_elements: int) -> list[int]:
+    """Stages 1/2: the all-reduces of one reduce bucket, each one's elements (average_tensor, then
+    allreduce_and_scatter). `bucket`: each gradient's (offset in the flat buffer, elements). Each gradient
+    is cut where a partition starts, and consecutive pieces of one partition merged; the pieces in turn
+    fill an all-reduce that is issued as soon as it holds MORE than `bucket_elements` — so a gradient
+    larger than a bucket that straddles partitions is all-reduced piece by piece, one call per partition."""
+    pieces: list[list[int]] = []  # [partition, elements], merged
+    for offset, elements in bucket:
+        end = offset + elements
+        while offset < end:
+            owner = offset // partition
+            piece = min(end, (owner + 1) * partition) - offset
+            if pieces and pieces[-1][0] == owner:
+                pieces[-1][1] += piece
+            else:
+                pieces.append([owner, piece])
+            offset += piece
+    return filled_all_reduces([elements for _, elements in pieces], bucket_elements)
 
 
 def flat_partition(numels: Sequence[int], world_size: int) -> tuple[int, int]:
@@ -87,6 +130,27 @@ def stage3_padded(numels: Sequence[int], world_size: int) -> list[int]:
     return [math.ceil(n / world_size) * world_size for n in numels]
 
 
+def stage0_all_reduces(numels: Sequence[int]) -> list[int]:
+    """Stage 0 (the engine's buffered_allreduce_fallback, allreduce_no_retain): the gradients in
+    parameter order fill an all-reduce, issued once it holds MORE than MEMORY_OPT_ALLREDUCE_SIZE
+    elements (a fixed size: the config's bucket sizes play no part at stage 0)."""
+    return filled_all_reduces(numels, STAGE0_ALLREDUCE_ELEMENTS)
+
+
+def filled_all_reduces(sizes: Sequence[int], limit: int) -> list[int]:
+    """The all-reduces (their elements) of gradients of `sizes` poured in order into a buffer that is
+    sent once it holds MORE than `limit` elements, and once more at the end for what is left."""
+    calls, filling = [], 0
+    for size in sizes:
+        filling += size
+        if filling > limit:
+            calls.append(filling)
+            filling = 0
+    if filling:
+        calls.append(filling)
+    return calls
+
+
 def zero_communication(
     numels: Sequence[int],
     world_size: int,
@@ -96,32 +160,70 @@ def zero_communication(
     prefetch_elements: int,
     grad_accum: int = 1,
     element_bytes: int = 4,
+    uses: Sequence[ParameterUse] | None = None,
+    gradient_order: Sequence[int] | None = None,
 ) -> Counts | None:
-    """One optimizer step of ZeRO `stage` (1-3) on one rank, fp32 without offload. `numels`: each
+    """One optimizer step of ZeRO `stage` (0-3) on one rank, fp32 without offload. `numels`: each
     parameter's elements in model.parameters() order; `bucket_elements`: reduce_bucket_size;
-    `prefetch_elements`: stage3_prefetch_bucket_size; `grad_accum`: micro-steps K per step (stage 1 reduces
-    once at the boundary, stages 2 and 3 in every backward, stage 3 gathers in every forward). None where
-    the formula does not hold exactly."""
-    if stage not in (1, 2, 3) or world_size < 2:
+    `prefetch_elements`: stage3_prefetch_bucket_size; `grad_accum`: micro-steps K per step (stages 0 and 1
+    reduce once at the boundary, stages 2 and 3 in every backward, stage 3 gathers in every forward);
+    `uses`: what the step does with each parameter (default: trains every one); `gradient_order`: the
+    indices of those with a gradient in the order backward produces them (distref.cost.usage; default:
+    the reverse of the parameters'). None where the formula does not hold exactly
+    (`communication_unavailable` says why)."""
+    if communication_unavailable(numels, stage, prefetch_elements):
         return None
+    uses = uses or [ParameterUse()] * len(numels)
+    if gradient_order is None:
+        gradient_order = [i for i in reversed(range(len(numels))) if uses[i].trained]
+    trainable = [n for n, use in zip(numels, uses, strict=True) if use.requires_grad]
     counts: Counts = {}
-    if stage in (1, 2):
-        order, reductions = (list(numels), 1) if stage == 1 else (list(reversed(numels)), grad_accum)
-        for elements in reduce_buckets(order, bucket_elements) * reductions:
+    if stage == 0:  # DDP-like: every trainable gradient (an unused one's as zeros), all-reduced once
+        for elements in stage0_all_reduces(trainable):
             add(counts, "all_reduce", elements * element_bytes, world_size)
-        add(counts, "all_reduce", 4, world_size)  # the gradient norm, fp32
-        add(counts, "all_gather", flat_partition(numels, world_size)[0] * element_bytes, world_size)
         return counts
-    if sum(numels) > prefetch_elements:
-        return (
-            None  # several prefetch buckets, re-gathers in backward: the trace-driven fetch is not modelled
-        )
-    padded = stage3_padded(numels, world_size)
-    add(counts, "all_gather", grad_accum * sum(padded) * element_bytes, world_size, calls=grad_accum)
-    for elements in reduce_buckets(list(reversed(padded)), bucket_elements) * grad_accum:
-        add(counts, "reduce_scatter", elements * element_bytes, world_size)
+    if stage in (1, 2):
+        # The flat buffer holds the trainable parameters (frozen ones stay whole, outside it); only those
+        # with a gradient are reduced, at stage 1 in parameter order, at stage 2 in backward's.
+        padded, partition = flat_partition(trainable, world_size)
+        trainable_indices = [i for i, use in enumerate(uses) if use.requires_grad]
+        starts = dict(zip(trainable_indices, itertools.accumulate(trainable, initial=0), strict=False))
+        if stage == 1:  # at the step's end, in parameter order
+            reduced, reductions = sorted(gradient_order), 1
+        else:  # in backward, as each gradient is produced
+            reduced, reductions = list(gradient_order), grad_accum
+        placed = [(starts[i], numels[i]) for i in reduced]  # each one's place in the flat buffer, its size
+        first = 0
+        for bucket in reduce_buckets([n for _, n in placed], bucket_elements):
+            in_bucket, first = placed[first : first + len(bucket)], first + len(bucket)
+            for elements in bucket_all_reduces(in_bucket, partition, bucket_elements) * reductions:
+                add(counts, "all_reduce", elements * element_bytes, world_size)
+        add(counts, "all_reduce", 4, world_size)  # the gradient norm, fp32
+        if world_size > 1:  # (one rank: nothing to gather)
+            add(counts, "all_gather", padded * element_bytes, world_size)
+        return counts
+    # Stage 3: the parameters of every module that runs are gathered, frozen ones too; the gradients
+    # that exist are reduce-scattered
+    sizes = stage3_padded(numels, world_size)
+    padded = [n for n, use in zip(sizes, uses, strict=True) if use.runs]  # gathered: its module runs
+    if world_size > 1:
+        add(counts, "all_gather", grad_accum * sum(padded) * element_bytes, world_size, calls=grad_accum)
+    for bucket in reduce_buckets([sizes[i] for i in gradient_order], bucket_elements) * grad_accum:
+        add(counts, "reduce_scatter", sum(bucket) * element_bytes, world_size)
     add(counts, "all_reduce", 8, world_size)  # the gradient norm, fp64
     return counts
+
+
+def communication_unavailable(numels: Sequence[int], stage: int, prefetch_elements: int) -> str | None:
+    """Why zero_communication has no formula for this run (fp32 without offload), or None."""
+    if stage not in (0, 1, 2, 3):
+        return f"ZeRO has no stage {stage}"
+    if stage == 3 and sum(numels) > prefetch_elements:
+        return (
+            f"ZeRO-3 over more than one prefetch bucket ({sum(numels):,} elements > {prefetch_elements:,}): "
+            "DeepSpeed's trace-driven fetch and re-gathers in backward are not modelled"
+        )
+    return None
 
 
 def optimizer_partition_bytes(partition: int, optimizer: str, element_bytes: int, step_bytes: int) -> int:
@@ -143,27 +245,47 @@ def zero_model_states(
     *,
     element_bytes: int = 4,
     step_bytes: int = 4,
+    uses: Sequence[ParameterUse] | None = None,
 ) -> dict[str, int] | None:
-    """Model-state bytes rank `rank` holds under ZeRO `stage` (1-3), fp32 without offload, one param group."""
+    """Model-state bytes rank `rank` holds under ZeRO `stage` (0-3), fp32 without offload, one param group;
+    `uses`: what the step does with each parameter (default: trains every one)."""
+    uses = uses or [ParameterUse()] * len(numels)
+    trainable = [n for n, use in zip(numels, uses, strict=True) if use.requires_grad]
+    frozen = sum(numels) - sum(trainable)
+    if stage == 0:  # a replica; an unused trainable parameter's gradient is all-reduced zeros, then stepped
+        return replicated(
+            [n * element_bytes for n in numels],
+            optimizer,
+            step_bytes,
+            trained=[use.requires_grad for use in uses],
+        )
     if stage in (1, 2):
-        padded, partition = flat_partition(numels, world_size)
+        padded, partition = flat_partition(trainable, world_size)
         start, end = rank * partition, (rank + 1) * partition
-        overlapping, offset = 0, 0
-        for n in numels:
+        # The partition's gradient buffer holds every parameter overlapping it, whole — allocated once a
+        # gradient of one is copied in: not where only unused ones overlap. An unused one's gradient is,
+        # besides, a whole tensor of zeros (get_all_grad_tensors), as the padding is.
+        overlapping = unused = offset = 0
+        trained_here = False
+        for n, use in zip(trainable, [use for use in uses if use.requires_grad], strict=True):
             if n and offset < end and offset + n > start:
                 overlapping += n
+                unused += 0 if use.trained else n
+                trained_here = trained_here or use.trained
             offset += n
-        padding = max(0, end - max(sum(numels), start))
+        padding = max(0, end - max(sum(trainable), start))
+        held = (overlapping if trained_here else 0) + unused + padding
         return {
-            "parameters": padded * element_bytes,
-            "gradients": (overlapping + padding) * element_bytes + 4,
+            "parameters": (padded + frozen) * element_bytes,  # the flat buffer, and frozen ones whole
+            "gradients": held * element_bytes + 4,
             "optimizer": optimizer_partition_bytes(partition, optimizer, element_bytes, step_bytes),
         }
     if stage == 3:
         partition = sum(stage3_padded(numels, world_size)) // world_size
+        trainable_partition = sum(stage3_padded(trainable, world_size)) // world_size
         return {
             "parameters": partition * element_bytes,
-            "gradients": partition * element_bytes + 8,
-            "optimizer": optimizer_partition_bytes(partition, optimizer, element_bytes, step_bytes),
+            "gradients": trainable_partition * element_bytes + 8,
+            "optimizer": optimizer_partition_bytes(trainable_partition, optimizer, element_bytes, step_bytes),
         }
     return None

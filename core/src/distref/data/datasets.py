@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch.utils.data import TensorDataset
 
 from distref.config import FactoryError, RunConfig, first_line, is_factory, load_factory
 from distref.data.mnist import idx_dataset, prepare_fashion_mnist, prepare_mnist
@@ -162,31 +162,25 @@ def own_dataset(spec: str) -> tuple[TensorData, TensorData, DatasetInfo]:
     not scored). Both are read into memory once, as tensors: every impl then reads the same samples in the
     same order (distref.data.order), which parity needs. Float inputs are "image"-like (any shape), integer
     ones token sequences; the classes are those the targets hold (the largest + 1). Loaded once per
-    process (the launcher checks it before any rank exists, and reuses it when it is itself the run).
-    Raises DataError (one line) where the contract does not hold."""
+    process (the launcher checks it before any rank exists; each rank reads it again, and the ranks then
+    check they read the same: distref.distributed.agreement). Raises DataError (one line) where the
+    contract does not hold."""
     try:
         factory = load_factory(spec, "--dataset")
     except FactoryError as exc:
         raise DataError(str(exc)) from None
     if factory not in _OWN_DATASETS:  # (by the function itself: a module imported again is read again)
-        loaded = _load_own_dataset(spec, factory)
-        launcher_read = os.environ.get(OWN_DATA_VARIABLE, "").partition(" ")
-        if launcher_read[0] == spec and (digest := fingerprint(*loaded[:2])) != launcher_read[2]:
-            raise DataError(
-                f"--dataset {spec}: rank {os.environ.get('RANK', '?')} read other data than the launcher did "
-                f"(sha256 {digest[:12]}, not {launcher_read[2][:12]}): {spec.partition(':')[2]}() must "
-                "return the same samples every time it is called (the same files; random numbers from a "
-                "seeded generator)"
-            )
-        _OWN_DATASETS[factory] = loaded
+        _OWN_DATASETS[factory] = _load_own_dataset(spec, factory)
     return _OWN_DATASETS[factory]
 
 
 _OWN_DATASETS: dict[Callable, tuple[TensorData, TensorData, DatasetInfo]] = {}
 
 
-# What the launcher read (`spec sha256`), for its ranks to check that they read the same (launch_ranks).
-OWN_DATA_VARIABLE = "DISTREF_OWN_DATA"
+def forget_own_datasets() -> None:
+    """Drop the datasets of yours read so far: the launcher, which read yours to check it, keeps no copy
+    while its ranks train (each rank reads its own)."""
+    _OWN_DATASETS.clear()
 
 
 def fingerprint(train: TensorData, test: TensorData) -> str:
@@ -256,11 +250,18 @@ def _load_own_dataset(spec: str, factory: Callable) -> tuple[TensorData, TensorD
     return train, test, DatasetInfo(spec, classes, tuple(train.x.shape[1:]), kind)
 
 
+STACKED_AT_ONCE = 4096  # items stacked together: a tensor object per item for all of them at once cost
+# ~1 KB each (1M items of 16 floats, 64 MB of data, peaked at 1.3 GB)
+
+
 def as_tensors(dataset, what: str) -> TensorData:
     """A map-style dataset of (input, target) pairs as TensorData: inputs stacked into one tensor,
-    targets into one integer tensor."""
+    targets into one integer tensor. A torch TensorDataset of (inputs, targets) is taken as it is; any
+    other is read item by item, stacked STACKED_AT_ONCE items at a time (the peak: about twice the data)."""
     if isinstance(dataset, TensorData):
         return dataset
+    if type(dataset) is TensorDataset and len(dataset.tensors) == 2:  # (a subclass may change items)
+        return checked_tensors(*dataset.tensors, what, shapes={tuple(dataset.tensors[0].shape[1:])})
     try:
         n = len(dataset)
     except TypeError:
@@ -269,6 +270,7 @@ def as_tensors(dataset, what: str) -> TensorData:
         ) from None
     if n == 0:
         raise DataError(f"{what} is empty")
+    input_chunks, target_chunks, shapes = [], [], set()
     inputs, targets = [], []
     for i in range(n):
         item = dataset[i]
@@ -287,17 +289,30 @@ def as_tensors(dataset, what: str) -> TensorData:
                     f"{what}: item {i}'s {into}, a {type(part).__name__}, is not a tensor or number{hint} "
                     f"({first_line(exc)})"
                 ) from None
-    shapes = {tuple(t.shape) for t in inputs}
+        shapes.add(tuple(inputs[-1].shape))
+        if len(inputs) == STACKED_AT_ONCE or i == n - 1:
+            if len(shapes) == 1:  # (else said below)
+                input_chunks.append(torch.stack(inputs))
+            target_chunks.append(torch.stack(targets))
+            inputs, targets = [], []
+    x = torch.cat(input_chunks) if len(shapes) == 1 else None
+    return checked_tensors(x, torch.cat(target_chunks), what, shapes)
+
+
+def checked_tensors(x: torch.Tensor | None, y: torch.Tensor, what: str, shapes: set[tuple]) -> TensorData:
+    """Inputs of one shape, integer targets, no nan or inf: the dataset contract (DataError otherwise)."""
     if len(shapes) > 1:
         raise DataError(
             f"{what}: inputs of several shapes ({', '.join(map(str, sorted(shapes)[:3]))}): one is needed"
         )
-    y = torch.stack(targets)
+    if len(x) == 0:
+        raise DataError(f"{what} is empty")
+    if len(x) != len(y):
+        raise DataError(f"{what}: {len(x)} inputs but {len(y)} targets")
     if y.is_floating_point() or y.dtype == torch.bool:
         raise DataError(
             f"{what}: targets are {y.dtype}; the loss (cross-entropy) needs class indices (integers)"
         )
-    x = torch.stack(inputs)
     if x.is_floating_point() and not torch.isfinite(x).all():
         first = int((~torch.isfinite(x.flatten(1))).any(dim=1).nonzero()[0])
         raise DataError(f"{what}: item {first}'s input holds nan or inf")

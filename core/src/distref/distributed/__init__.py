@@ -1,6 +1,7 @@
 """What the multi-process impls share: starting ranks (`launch`), the process group's life
 (`process_group`), collectives (`collectives`), and cutting a model into parts (`partition`)."""
 
+from distref.distributed.agreement import check_ranks_agree
 from distref.distributed.collectives import (
     all_reduce_sum,
     finish_record,
@@ -29,6 +30,7 @@ __all__ = [
     "SHUTDOWN_TIMEOUT_S",
     "SILENT_RANK_WAIT_S",
     "all_reduce_sum",
+    "check_ranks_agree",
     "destroy_process_group_on_exit",
     "exit_without_interpreter_teardown",
     "finish_record",

@@ -24,20 +24,18 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from distref.config import fail, is_factory
-    from distref.data.datasets import OWN_DATA_VARIABLE, fingerprint, own_dataset, prepare_dataset_files
+    from distref.config import fail
+    from distref.data.datasets import forget_own_datasets, prepare_dataset_files
     from distref.data.tensors import DataError
     from distref.record import process_started_at
 
     try:  # here, once: a missing or altered dataset is one line, before any rank or process group
         prepare_dataset_files(cfg)
-        # A dataset of yours (read once already, by the checks): each rank reads it again, and must read
-        # the same samples; what it should read is passed on (torch.distributed.run passes the environment)
-        read = (
-            f"{cfg.dataset} {fingerprint(*own_dataset(cfg.dataset)[:2])}" if is_factory(cfg.dataset) else None
-        )
     except DataError as exc:
         fail(str(exc), impl)
+    # A dataset of yours was read by the checks: each rank reads its own (and the ranks check they read
+    # the same: distref.distributed.agreement), so this process, which only waits, keeps no copy.
+    forget_own_datasets()
     nproc, restarts = cfg.launch.nproc_per_node, cfg.launch.max_restarts
     rank_argv = without_launch_options(sys.argv[1:] if argv is None else list(argv))
     torchrun_argv = [
@@ -56,10 +54,8 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
     print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
     # The ranks' records count start-up from this process's start, not their own (distref.record.run_start);
     # torch.distributed.run passes its environment on to them. Put back after: the caller may go on (tests).
-    previous = {name: os.environ.get(name) for name in ("DISTREF_LAUNCHED_AT", OWN_DATA_VARIABLE)}
+    previous = {"DISTREF_LAUNCHED_AT": os.environ.get("DISTREF_LAUNCHED_AT")}
     os.environ["DISTREF_LAUNCHED_AT"] = str(process_started_at())
-    if read is not None:
-        os.environ[OWN_DATA_VARIABLE] = read
     try:
         run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
     except ChildFailedError as exc:

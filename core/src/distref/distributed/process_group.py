@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from distref.config import RunConfig
+from distref.config import RunConfig, first_line
 from distref.distributed.launch import torchrun_env
 from distref.training.device import pick_device
 from distref.training.traffic import TRAFFIC
@@ -57,16 +57,33 @@ def start_process_group(cfg: RunConfig) -> tuple[int, int, torch.device, str]:
     device = pick_device(cfg.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout)
-    dist.init_process_group(
-        backend,
-        store=restart_safe_store(timeout),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    store = restart_safe_store(timeout)
+    # Each rank says it arrived: where the group cannot form within --timeout (a rank slow to start,
+    # reading its data before it gets here, or never started), the ranks that waited name the others.
+    arrived = dist.PrefixStore("arrived", store)
+    arrived.set(str(rank), "")
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    except dist.DistStoreError as exc:
+        absent = [r for r in range(world_size) if not arrived.check([str(r)])]
+        raise GroupNotFormed(
+            f"rank {rank} waited {cfg.timeout:g} s (--timeout) for rank {', '.join(map(str, absent)) or '?'} "
+            f"to start and gave up: a rank slow to start (reading its data?) needs a larger --timeout "
+            f"({first_line(exc)})"
+        ) from None
     TRAFFIC.begin_run()  # count the communication of set-up, then of one step (distref.training.traffic)
     return rank, world_size, device, backend
+
+
+class GroupNotFormed(Exception):
+    """Not every rank joined the process group within --timeout (said in one line on exit)."""
 
 
 SILENT_RANK_WAIT_S = 3.0  # how long ranks that timed out wait to hear from each other
@@ -126,6 +143,9 @@ def destroy_process_group_on_exit(prog: str = "train.py") -> Iterator[None]:
     """
     try:
         yield
+    except GroupNotFormed as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        raise SystemExit(1) from None
     except Exception as exc:
         if not (is_collective_timeout(exc) and "store" in _timeouts and dist.is_initialized()):
             raise

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distref.config import OneLineErrorParser, positive_int
@@ -21,10 +21,18 @@ from distref.plan.validate import render_validation, validate
 
 
 def resolve_model(args: argparse.Namespace) -> Model:
-    """The model the options name: a preset, one of this project's, module:function, or --params N."""
+    """The model the options name: a preset, one of this project's, module:function, or --params N; the
+    model options that do not apply to it refused."""
+    name = args.model
+    if args.seq and name not in MODELS:
+        raise PlanError(f"--seq is a decoder preset's ({', '.join(MODELS)}); {model_named(args)} has its own")
+    if (args.sample_shape or args.tokens) and (name is None or ":" not in name):
+        given = "--sample-shape" if args.sample_shape else "--tokens"
+        raise PlanError(f"{given} describes a module:function's input; {model_named(args)} has its own")
+    if args.tokens and not args.sample_shape:
+        raise PlanError("--tokens needs --sample-shape T (the tokens per sample)")
     if args.params is not None:
         return parameters_only(args.params)
-    name = args.model
     if name in MODELS:
         shape = MODELS[name]
         if args.seq:
@@ -36,6 +44,10 @@ def resolve_model(args: argparse.Namespace) -> Model:
         return custom_model(name, args.sample_shape, args.tokens)
     known = ", ".join([*MODELS, *PROJECT_DATASETS])
     raise PlanError(f"unknown model {name!r}: one of {known}, module:function, or --params N")
+
+
+def model_named(args: argparse.Namespace) -> str:
+    return f"--params {args.params}" if args.params is not None else f"--model {args.model}"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -67,19 +79,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     hw.add_argument("--gpus-per-node", type=positive_int)
     hw.add_argument("--tp", type=positive_int, help="only meshes of this tensor-parallel degree")
     hw.add_argument("--pp", type=positive_int, help="only meshes of this many pipeline stage ranks")
-    hw.add_argument("--memory-gb", type=positive_float, help="memory per GPU, GB (10⁹ bytes)")
-    hw.add_argument("--peak-tflops", type=positive_float, help="dense peak in the training's precision")
-    hw.add_argument("--intra-node-gbps", type=positive_float, help="GB/s per GPU one way within a node")
-    hw.add_argument("--inter-node-gbps", type=positive_float, help="GB/s per GPU one way between nodes")
+    hw.add_argument("--memory-gb", type=figure(1e9), help="memory per GPU, GB (10⁹ bytes)")
+    hw.add_argument("--peak-tflops", type=figure(1e12), help="dense peak in the training's precision")
+    hw.add_argument("--intra-node-gbps", type=figure(1e9), help="GB/s per GPU one way within a node")
+    hw.add_argument("--inter-node-gbps", type=figure(1e9), help="GB/s per GPU one way between nodes")
     training = parser.add_argument_group("training")
     training.add_argument(
         "--global-batch", type=positive_int, default=256, help="samples (sequences) per step"
     )
     training.add_argument(
-        "--micro-batch", type=positive_int, default=1, help="samples per GPU per micro-step"
+        "--micro-batch", type=positive_int, help="samples per GPU per micro-step (default: 1)"
     )
     training.add_argument(
-        "--grad-accum", type=positive_int, help="micro-steps per step (sets the micro-batch)"
+        "--grad-accum", type=positive_int, help="micro-steps per step (sets the micro-batch instead)"
     )
     training.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
     training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
@@ -88,8 +100,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--mfu", type=fraction, default=DEFAULT_MFU, help="utilisation of peak while computing"
     )
     out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="the ranked rows as a JSON list")
-    out.add_argument("--md", action="store_true", help="a Markdown table")
+    form = out.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="the ranked rows as a JSON list")
+    form.add_argument("--md", action="store_true", help="a Markdown table")
     out.add_argument("--plot", type=Path, metavar="PNG", help="memory per GPU vs GPUs, step time by strategy")
     out.add_argument(
         "--simulate",
@@ -103,8 +116,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--validate", nargs="+", type=Path, metavar="RUN_DIR", help="runs' records against the plan"
     )
     args = parser.parse_args(argv)
-    if args.validate is None and (args.model is None) == (args.params is None):
+    if args.validate is not None:  # (it plans each run's own model, layout and batch)
+        given = [
+            f"--{dest.replace('_', '-')}"
+            for dest, value in vars(args).items()
+            if dest not in ("validate", "json") and value != parser.get_default(dest)
+        ]
+        if given:
+            parser.error(f"--validate RUN_DIR… plans each run as it ran: it takes no {', '.join(given)}")
+    elif (args.model is None) == (args.params is None):
         parser.error("give --model NAME or --params N (not both), or --validate RUN_DIR…")
+    if args.micro_batch is not None and args.grad_accum is not None:
+        parser.error(
+            "give --micro-batch or --grad-accum, not both: the other follows from the global batch and the mesh"
+        )
     return args
 
 
@@ -138,6 +163,18 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def figure(unit: float) -> Callable[[str], float]:
+    """An argparse type: a positive number of `unit`s (GB: 1e9 bytes) that stays finite in the unit."""
+
+    def parse(text: str) -> float:
+        value = positive_float(text)
+        if not math.isfinite(value * unit):
+            raise argparse.ArgumentTypeError(f"{text} is too large")
+        return value
+
+    return parse
 
 
 def fraction(text: str) -> float:
@@ -184,35 +221,57 @@ def check_mesh(tp: int | None, pp: int | None, cluster: Cluster) -> None:
         raise PlanError(f"{name} {degree} does not divide the {cluster.gpus} GPUs")
 
 
+def check_plot_path(path: Path) -> None:
+    """--plot's file must be one matplotlib can write, in a folder that exists: said before planning."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lower().lstrip(".") not in formats:
+        raise PlanError(f"--plot {path}: name a file ending in one of .{', .'.join(sorted(formats))}")
+    if not path.parent.is_dir():
+        raise PlanError(f"--plot {path}: no folder {path.parent}")
+
+
+def one_line(message: str) -> str:
+    """An error's message on one line (what user code raised may span several)."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m distref.plan: the plan (or --validate's comparison) on stdout; 2 and one line on bad input."""
     args = parse_args(argv)
     try:
-        if args.validate:
-            results = validate(args.validate)
-            print(json.dumps(results, indent=1) if args.json else render_validation(results))
-            return 0
-        model, cluster = resolve_model(args), resolve_cluster(args)
-        training = Training(
-            global_batch=args.global_batch,
-            micro_batch=args.micro_batch,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            checkpointing=args.activation_checkpointing,
-            mfu=args.mfu,
-            grad_accum=args.grad_accum,
-        )
-        check_mesh(args.tp, args.pp, cluster)
-        plan = make_plan(model, cluster, training, args.tp, args.pp)
+        return planned(args)
     except PlanError as e:
-        print(f"python -m distref.plan: error: {e}", file=sys.stderr)
+        print(f"python -m distref.plan: error: {one_line(str(e))}", file=sys.stderr)
         return 2
+
+
+def planned(args: argparse.Namespace) -> int:
+    """The plan, --validate's comparison or --simulate's run, on stdout; PlanError on bad input."""
+    if args.validate:
+        results = validate(args.validate)
+        print(json.dumps(results, indent=1) if args.json else render_validation(results))
+        return 0
+    if args.plot:
+        check_plot_path(args.plot)
+    model, cluster = resolve_model(args), resolve_cluster(args)
+    training = Training(
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch or 1,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        checkpointing=args.activation_checkpointing,
+        mfu=args.mfu,
+        grad_accum=args.grad_accum,
+    )
+    check_mesh(args.tp, args.pp, cluster)
+    plan = make_plan(model, cluster, training, args.tp, args.pp)
     if not plan.rows:
-        print(
-            f"python -m distref.plan: error: no layout can run: {'; '.join(dict.fromkeys(w for _, w in plan.skipped))}",
-            file=sys.stderr,
-        )
-        return 2
+        raise PlanError(f"no layout can run: {'; '.join(dict.fromkeys(w for _, w in plan.skipped))}")
     if args.json:
         print(json.dumps([row.as_dict() | {"rank": i} for i, row in enumerate(plan.rows, 1)], indent=1))
     elif args.md:
@@ -220,14 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(render_text(plan))
     if args.plot:
-        plot(plan, args.plot)
+        try:
+            plot(plan, args.plot)
+        except OSError as e:  # (the folder checked, the file not writable)
+            raise PlanError(f"--plot {args.plot}: {e.strerror or e}") from None
         print(f"plot: {args.plot}", file=sys.stderr)
     if args.simulate:
         if args.simulate > len(plan.rows):
-            print(
-                f"python -m distref.plan: error: --simulate {args.simulate}: the plan has {len(plan.rows)} rows",
-                file=sys.stderr,
-            )
-            return 2
+            raise PlanError(f"--simulate {args.simulate}: the plan has {len(plan.rows)} rows")
         print(simulate_row(plan, plan.rows[args.simulate - 1]), file=sys.stderr if args.json else sys.stdout)
     return 0

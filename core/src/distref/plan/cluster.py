@@ -61,12 +61,19 @@ class Cluster:
 class Training:
     global_batch: int  # samples (sequences) per optimizer step
     micro_batch: int  # samples per GPU per micro-step (a pipeline's micro-batch)
-    precision: str  # "mixed" (16-bit parameters and gradients, fp32 master and optimizer) or "fp32"
+    # "mixed" (16-bit parameters and gradients, fp32 master and optimizer) or "fp32"; for --validate's
+    # records also "fp64" and "autocast" (the impls' --precision bf16: fp32 states, 16-bit compute)
+    precision: str
     optimizer: str  # "adamw" or "sgd"
     checkpointing: bool
     mfu: float
     grad_accum: int | None = None  # fixes K, and so the micro-batch, where given
 
     @property
-    def element_bytes(self) -> int:  # a parameter's, a gradient's, an activation's
-        return {"mixed": 2, "fp32": 4, "fp64": 8}[self.precision]  # (fp64: --validate's fp64 runs)
+    def element_bytes(self) -> int:  # a parameter's, a gradient's (and, but under autocast, an activation's)
+        return {"mixed": 2, "fp32": 4, "fp64": 8, "autocast": 4}[self.precision]
+
+    @property
+    def compute_element_bytes(self) -> int:
+        """An activation's bytes where 16-bit compute makes it: a linear layer's output."""
+        return 2 if self.precision == "autocast" else self.element_bytes

@@ -5,16 +5,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
+import sys
 import unittest.mock
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from distref.cost import activations as act
-from distref.cost.counts import Counts, add, merge
+from distref.cost.counts import Counts, merge
 from distref.cost.data_parallel import ddp as ddp_communication
 from distref.cost.memory import ZERO_PARTITIONS, mixed_precision, replicated
 from distref.cost.pipeline import model_parallel as model_parallel_communication
@@ -29,6 +29,7 @@ from distref.cost.tensor_parallel import (
 )
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
 from distref.cost.zero import zero_communication, zero_model_states
+from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.impl_folders import load_train_module
 from distref.plan.cluster import GPU, RESERVED_BYTES, Cluster, Training
 from distref.plan.layouts import Layout
@@ -44,6 +45,7 @@ ZERO_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size default (elemen
 # (ZeRO-1's reduction at the step boundary, ZeRO's all-gather of the updated parameters): never hidden.
 PHASES = {
     "ddp": {"all_reduce": "last"},
+    "zero0": {},  # (DeepSpeed's stage 0 all-reduces the gradients once the backward is done)
     "zero1": {},
     "zero2": {"all_reduce": "steps"},
     "zero3": {"all_gather": "steps", "reduce_scatter": "steps"},
@@ -120,7 +122,7 @@ def data_parallel_states(
             optimizer_over=o,
             k=K_OPTIMIZER[training.optimizer],
         )
-    elif strategy == "ddp":
+    elif strategy in ("ddp", "zero0"):  # (ZeRO stage 0 partitions nothing: DDP's states)
         states = replicated([numel * e for numel in numels], training.optimizer)
     elif strategy in ("fsdp", "hsdp"):
         shard = n if strategy == "fsdp" else layout.shard
@@ -147,8 +149,18 @@ def data_parallel_communication(
     e = training.element_bytes
     numels = [math.prod(s) for s in model.shapes]
     notes = []
-    if strategy == "ddp":
-        return ddp_communication([m * e for m in numels], n, bucket_cap_bytes=DDP_BUCKET_BYTES), notes
+    if strategy == "ddp":  # (the gradients' all-reduce, and the buffers' broadcast before each step)
+        return (
+            ddp_communication(
+                [m * e for m in numels], n, bucket_cap_bytes=DDP_BUCKET_BYTES, buffers=model.buffer_bytes(e)
+            ),
+            notes,
+        )
+    if strategy == "zero0":
+        notes.append(
+            "ZeRO stage 0's all-reduce: DDP's bytes in DeepSpeed's buckets (no formula in distref.cost)"
+        )
+        return ddp_communication([m * e for m in numels], n, bucket_cap_bytes=ZERO_REDUCE_BUCKET * e), notes
     if strategy in ("fsdp", "hsdp"):
         shard = n if strategy == "fsdp" else layout.shard
         units = unit_shapes(model)
@@ -159,7 +171,8 @@ def data_parallel_communication(
                 resharded,
                 shard,
                 replicas=n // shard,
-                gather_element_bytes=e,
+                # (under autocast impls/fsdp gathers 16-bit parameters and reduces fp32 gradients)
+                gather_element_bytes=training.compute_element_bytes,
                 reduce_element_bytes=e,
                 grad_accum=k,
             ),
@@ -216,7 +229,8 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     timed: dict[tuple[str, str], Counts] = {}
     slowdown, worst_rank = 0.0, None  # a pipeline's time over the ideal: its bubble, its slowest rank
     b, k = micro_steps(training, layout.dp)
-    if layout.tp == 1 and layout.pp == 1:  # the data-parallel family
+    # (by strategy, not by mesh: tensor parallelism of degree 1 and a one-part model_parallel are theirs)
+    if layout.strategy not in ("tp", "model_parallel") and not layout.strategy.startswith("pp-"):
         strategy = layout.strategy.removesuffix("-offload")
         states, cpu_bytes = data_parallel_states(layout, model, training, k)
         activations = whole_model_activations(model, b, training)
@@ -231,7 +245,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
                 timed.setdefault((PHASES[strategy].get(kind, "after"), cluster.link(group)), {}),
                 {kind: entry},
             )
-    elif layout.tp > 1:
+    elif layout.strategy == "tp":
         states, activations, tp_counts, dp_counts = tensor_parallel_costs(layout, model, training, b, k)
         if layout.dp > 1:  # (impls/tensor_parallel has no activation formula on its 2-D mesh either)
             notes.append(
@@ -310,7 +324,10 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
 
 
 def peak(gpu: GPU, precision: str) -> float:
-    """Dense peak FLOP/s in the training's precision (fp64, for --validate's fp64 runs: half fp32's)."""
+    """Dense peak FLOP/s in the training's precision (autocast: 16-bit's; fp64, for --validate's fp64
+    runs: half fp32's)."""
+    if precision == "autocast":
+        return gpu.peak_flops["mixed"]
     return gpu.peak_flops.get(precision) or gpu.peak_flops["fp32"] / 2
 
 
@@ -325,8 +342,9 @@ def merge_into(into: Counts, part: Counts) -> None:
 
 
 def whole_model_activations(model: Model, micro_batch: int, training: Training) -> float | None:
-    """A rank running the whole model on `micro_batch` samples (distref.cost.activations), if a formula."""
-    if model.formula is None:
+    """A rank running the whole model on `micro_batch` samples (distref.cost.activations), if a formula
+    (autocast has none)."""
+    if model.formula is None or training.precision == "autocast":
         return None
     return act.stage_bytes(*model.formula(training.element_bytes, training.checkpointing), micro_batch)
 
@@ -356,19 +374,23 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
         )
     if d > 1 and k > 1:  # (impls/tensor_parallel, as impls/fsdp: gradients whole until the last micro-step)
         states["gradients"] = held * e
-    activations = tensor_parallel_activation_bytes(
-        micro_batch=b,
-        seq=shape.seq,
-        hidden=shape.hidden,
-        heads=shape.heads,
-        layers=shape.layers,
-        vocab=shape.vocab,
-        tp=t,
-        tp_rank=0,
-        sequence_parallel=True,
-        loss_parallel=True,
-        element_bytes=e,
-        checkpointed=training.checkpointing,
+    activations = (
+        None
+        if training.precision == "autocast"
+        else tensor_parallel_activation_bytes(
+            micro_batch=b,
+            seq=shape.seq,
+            hidden=shape.hidden,
+            heads=shape.heads,
+            layers=shape.layers,
+            vocab=shape.vocab,
+            tp=t,
+            tp_rank=0,
+            sequence_parallel=True,
+            loss_parallel=True,
+            element_bytes=e,
+            checkpointed=training.checkpointing,
+        )
     )
     total = tensor_parallel(
         **dims,
@@ -380,6 +402,7 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
         grad_accum=k,
         dp_shard=d,
         element_bytes=e,
+        compute_element_bytes=training.compute_element_bytes,  # (what the linear layers' outputs are)
         activation_checkpointing=training.checkpointing,
     )
     dp_counts: Counts = {}
@@ -397,33 +420,22 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
     return states, activations, {k_: v for k_, v in tp_counts.items() if v["calls"]}, dp_counts
 
 
-def minimax_cut(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous parts of `sizes` with the largest part's sum as small as possible (the pipeline's
-    balanced cut, distref.distributed.partition's objective, by dynamic programming instead of trying
-    every cut)."""
-    n = len(sizes)
-    prefix = [0, *itertools.accumulate(sizes)]
-    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]  # best[p][end]: blocks [0, end) in p parts
-    start_of = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for p in range(1, parts + 1):
-        for end in range(p, n - (parts - p) + 1):
-            for start in range(p - 1, end):
-                largest = max(best[p - 1][start], prefix[end] - prefix[start])
-                if largest < best[p][end]:
-                    best[p][end], start_of[p][end] = largest, start
-    bounds, end = [], n
-    for p in range(parts, 0, -1):
-        bounds.append((start_of[p][end], end))
-        end = start_of[p][end]
-    return bounds[::-1]
+def cut_bounds(model: Model, parts: int, partition: str | None = None) -> list[tuple[int, int]]:
+    """Each part's (first block, end block): the impls' own cut (`--partition`, else the balanced one that
+    gives every part parameters, distref.distributed.partition), so that the plan holds what they hold;
+    PlanError where the impls would refuse it."""
+    sizes = {f"#{i}": count for i, count in enumerate(model.block_parameters)}  # (blocks by index)
+    cuts, problem = choose_cut_points(sizes, partition, parts, model.name)
+    if problem:
+        raise PlanError(problem)
+    return part_bounds(cuts, len(sizes))
 
 
 @functools.lru_cache(maxsize=64)
-def schedule_orders(schedule: str, p: int, m: int) -> dict[int, list[act.Action]]:
+def schedule_orders(schedule: str, p: int, m: int, v: int = 2) -> dict[int, list[act.Action]]:
     """Each rank's order of work (kind, stage, micro-batch) in one step: GPipe's and 1F1B's by their rule,
-    the multi-stage schedules' from torch's own `pipeline_order` (built on the fake backend, as
-    impls/pipeline builds it: rank r's stages round-robin or V-shaped)."""
+    the multi-stage schedules' (`v` stages per rank) from torch's own `pipeline_order` (built on the fake
+    backend, as impls/pipeline builds it: rank r's stages round-robin or V-shaped)."""
     if schedule in ("gpipe", "1f1b"):
         return {r: act.one_stage_order(schedule, m, p, r) for r in range(p)}
     from torch.distributed.pipelining import PipelineStage
@@ -431,8 +443,8 @@ def schedule_orders(schedule: str, p: int, m: int) -> dict[int, list[act.Action]
     module = pipeline_impl()
     with order_world(p):
         stages = [
-            PipelineStage(torch.nn.Linear(1, 1), index, 2 * p, torch.device("cpu"))
-            for index in module.stage_indices(schedule, 0, p, 2)
+            PipelineStage(torch.nn.Linear(1, 1), index, v * p, torch.device("cpu"))
+            for index in module.stage_indices(schedule, 0, p, v)
         ]
         cls = module.SCHEDULES[schedule]
         # (its constructor then adds the send/recv actions a real run needs, which costs seconds and
@@ -458,11 +470,13 @@ def order_world(world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise PlanError("the pipeline schedules' orders are built on a fake process group: not inside a job")
+    excepthook = sys.excepthook  # (each process group wraps it again, to prefix "[rank0]:" to every line)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 @functools.cache
@@ -482,18 +496,20 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
         orders = {r: act.one_stage_order("gpipe", 1, p, r) for r in range(p)}
     else:
         schedule = layout.strategy.removeprefix("pp-")
-        v = 1 if schedule in ("gpipe", "1f1b") else 2
+        v = layout.stages_per_rank or (1 if schedule in ("gpipe", "1f1b") else 2)
         if problem := pipeline_impl().microbatch_problem(schedule, m, p, p * v):
             raise PlanError(problem)
-        orders = schedule_orders(schedule, p, m)
+        orders = schedule_orders(schedule, p, m, v)
         bubble = pipeline_bubble(schedule, p, v, m)
-    bounds = minimax_cut(model.block_parameters, p * v)
+    bounds = cut_bounds(model, p * v, layout.partition)
     stage_params = [sum(model.block_parameters[a:z]) for a, z in bounds]
     units = unit_shapes(model)
     stage_rank = {stage: rank for rank, order in orders.items() for _, stage, _ in order}
-    blocks_and_loss = model.formula(e, training.checkpointing) if model.formula else None
+    blocks_and_loss = None  # (autocast: no formula)
+    if model.formula and training.precision != "autocast":
+        blocks_and_loss = model.formula(e, training.checkpointing)
 
-    def rank_costs(rank: int) -> tuple[dict[str, float], float | None, int]:
+    def rank_costs(rank: int) -> tuple[dict[str, float], float | None]:
         mine = sorted({stage for _, stage, _ in orders[rank]})
         held = sum(stage_params[s] for s in mine)
         if training.precision == "mixed":
@@ -506,24 +522,37 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
         held_activations = None
         if blocks_and_loss is not None:
             held_activations = act.held_in_rank(*blocks_and_loss, bounds, orders[rank], b)
-        return states, held_activations, held
+        return states, held_activations
 
     each_rank = [rank_costs(rank) for rank in range(p)]
     worst_rank = max(range(p), key=lambda r: sum(each_rank[r][0].values()) + (each_rank[r][1] or 0))
-    states, activations, held = each_rank[worst_rank]
-    # Each boundary's activation forward and its gradient back, per micro-batch
-    if model.block_outputs is None:
+    states, activations = each_rank[worst_rank]
+    # Each boundary's activation forward and its gradient back, per micro-batch, in the dtype the
+    # boundary block's output has (under autocast: bf16 after a linear layer, fp32 after a residual sum)
+    if training.precision == "autocast":
+        output_bytes = model.autocast_output_bytes
+    else:
+        output_bytes = model.block_outputs and [elements * e for elements in model.block_outputs]
+    if output_bytes is None:
         notes.append("activations sent between stages: not estimated (the model is no sequence of blocks)")
-    outputs = model.block_outputs or [0] * len(model.block_parameters)
-    boundary = [b * outputs[last - 1] * e for _, last in bounds[:-1]]
+    output_bytes = output_bytes or [0] * len(model.block_parameters)
+    boundary = [b * output_bytes[last - 1] for _, last in bounds[:-1]]
     mine = sorted({stage for _, stage, _ in orders[worst_rank]})
     if layout.strategy == "model_parallel":
         p2p = model_parallel_communication(boundary, worst_rank, p, k)
     else:
         p2p = pipeline_communication(boundary, mine, [stage_rank[s] for s in range(len(bounds))], m)
-    dp_counts: Counts = {}
-    if layout.dp > 1:  # each pipeline rank's gradients summed over the dp pipelines
-        add(dp_counts, "all_reduce", held * e, layout.dp)
+    # With dp pipelines, each rank's parameters all-reduced and buffers broadcast over the dp group
+    my_blocks = [block for s in mine for block in range(*bounds[s])]
+    dp_counts = pipeline_communication(
+        [],
+        [],
+        [],
+        m,
+        parameter_bytes=[math.prod(shape) * e for block in my_blocks for shape in units[block]],
+        buffer_bytes=[size for _, size in model.buffer_bytes(e, my_blocks)],
+        dp=layout.dp,
+    )
     # The slowest rank sets the pace: its stages' FLOPs over the mean rank's (the cut balances parameters)
     imbalance = 1.0
     if model.block_flops:

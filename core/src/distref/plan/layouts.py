@@ -23,18 +23,28 @@ class Layout:
     tp: int = 1
     pp: int = 1
     shard: int = 1  # hsdp's shard group
+    # A pipeline as a run laid it out (--validate): its stages per rank and --partition; None: the
+    # schedule's default and the balanced cut
+    stages_per_rank: int | None = None
+    partition: str | None = None
 
     @property
     def mesh(self) -> str:
-        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == 1 and self.pp == 1) else []
-        parts += [f"tp{self.tp}"] if self.tp > 1 else []
-        parts += [f"pp{self.pp}"] if self.pp > 1 else []
+        # (a strategy's own dimension shown at degree 1 too: --validate's tensor_parallel ×1, model_parallel
+        # in one process)
+        tp = self.tp > 1 or self.strategy == "tp"
+        pp = self.pp > 1 or self.strategy == "model_parallel" or self.strategy.startswith("pp-")
+        parts = [f"dp{self.dp}"] if self.dp > 1 or not (tp or pp) else []
+        parts += [f"tp{self.tp}"] if tp else []
+        parts += [f"pp{self.pp}"] if pp else []
         text = "×".join(parts)
-        return (
-            f"{text} (shard {self.shard} × replicate {self.dp // self.shard})"
-            if self.strategy == "hsdp"
-            else text
-        )
+        if self.strategy == "hsdp":
+            text += f" (shard {self.shard} × replicate {self.dp // self.shard})"
+        if self.stages_per_rank is not None:
+            text += f", {self.stages_per_rank} stages per rank"
+        if self.partition is not None:
+            text += f", cut at {self.partition}"
+        return text
 
 
 def powers_of_two(limit: int) -> list[int]:

@@ -10,8 +10,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from distref.config import is_factory
 from distref.cost import activations as act
 from distref.cost.tensor_parallel import gpt_parameters
+from distref.data import DatasetInfo
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.models import build_model
 from distref.simulate import PRESETS, GPTShape
@@ -42,8 +44,9 @@ class Model:
     pipeline cuts between them: each block's parameter count), the gpt shape where it is a decoder (tensor
     parallelism and the decoder formulas need it), FLOPs of one sample's forward and backward, what one
     sample is in tokens, the activation formula `formula(element_bytes, checkpointed)` → (blocks, loss)
-    of distref.cost.activations (None where there is none), and each block's output per sample (what a
-    pipeline sends between stages)."""
+    of distref.cost.activations (None where there is none), each block's output per sample (what a
+    pipeline sends between stages: elements, and bytes under bf16 autocast, which leaves some outputs in
+    fp32), and its buffers (BatchNorm's statistics: what DDP broadcasts)."""
 
     name: str
     shapes: list[tuple[int, ...]]
@@ -54,10 +57,31 @@ class Model:
     formula: Callable[[int, bool], tuple[list[act.Block], act.Loss]] | None = None
     block_outputs: list[int] | None = None  # elements of each block's output, per sample
     block_flops: list[float] | None = None  # each block's forward and backward FLOPs, per sample
+    autocast_output_bytes: list[int] | None = None  # each block's output per sample under bf16 autocast
+    buffers: tuple[tuple[int, torch.dtype, int], ...] = ()  # (block, dtype, elements), module.buffers() order
 
     @property
     def parameters(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes)
+
+    def buffer_bytes(self, element_bytes: int, blocks: Sequence[int] | None = None) -> list[tuple[str, int]]:
+        """(dtype, bytes) of each buffer (of `blocks` only, where given): floating ones in the training's
+        element size, as the impls convert them with the parameters; integer counters as they are."""
+        return [
+            (str(dtype), numel * (element_bytes if dtype.is_floating_point else dtype.itemsize))
+            for block, dtype, numel in self.buffers
+            if blocks is None or block in blocks
+        ]
+
+
+# Samples in the forwards that count FLOPs and outputs (their counts are then per sample): BatchNorm in
+# training mode refuses a batch of one
+SAMPLES = 2
+
+
+def sample_input(sample_shape: Sequence[int], tokens: bool) -> torch.Tensor:
+    """SAMPLES zero inputs (token ids, or floats) on the current device."""
+    return torch.zeros(SAMPLES, *sample_shape, dtype=torch.long if tokens else torch.float32)
 
 
 def decoder(name: str, shape: GPTShape) -> Model:
@@ -102,14 +126,48 @@ def flops_by_block(module: torch.nn.Module, sample_shape: Sequence[int], tokens:
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        x = torch.zeros(1, *sample_shape, dtype=torch.long) if tokens else torch.zeros(1, *sample_shape)
+        x = sample_input(sample_shape, tokens)
     with FlopCounterMode(display=False) as counter:
         out = module(x)
         out.float().sum().backward()
     if not isinstance(module, torch.nn.Sequential):
-        return [float(counter.get_total_flops())]
+        return [counter.get_total_flops() / SAMPLES]
     counts, root = counter.get_flop_counts(), type(module).__name__
-    return [float(sum(counts.get(f"{root}.{name}", {}).values())) for name, _ in module.named_children()]
+    return [sum(counts.get(f"{root}.{name}", {}).values()) / SAMPLES for name, _ in module.named_children()]
+
+
+def autocast_output_bytes(
+    module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool
+) -> list[int] | None:
+    """Bytes of each block's output for one sample under bf16 autocast (the dtype autocast leaves each
+    output in: a linear layer's bf16, an embedding's or a residual sum's fp32), from a forward on fake
+    tensors, as impls/pipeline measures what its stages send; None where the model is no sequence of
+    blocks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    if not isinstance(module, torch.nn.Sequential):
+        return None
+    sizes = []
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad(), autocast:
+        x = sample_input(sample_shape, tokens)
+        for block in module:
+            held = [*block.named_parameters(), *block.named_buffers()]
+            x = functional_call(block, {name: fake.from_tensor(t).to("cpu") for name, t in held}, (x,))
+            sizes.append(x.numel() * x.element_size() // SAMPLES)
+    return sizes
+
+
+def module_buffers(module: torch.nn.Module) -> tuple[tuple[int, torch.dtype, int], ...]:
+    """(block, dtype, elements) of each buffer in module.buffers() order; the block is the index of the
+    child holding it (a sequence of blocks), 0 for a model of one block."""
+    block_of = {
+        id(buffer): index
+        for index, child in enumerate(module.children() if isinstance(module, torch.nn.Sequential) else ())
+        for buffer in child.buffers()
+    }
+    return tuple((block_of.get(id(b), 0), b.dtype, b.numel()) for b in module.buffers())
 
 
 def block_outputs(module: torch.nn.Module, sample_shape: Sequence[int], tokens: bool) -> list[int] | None:
@@ -118,49 +176,64 @@ def block_outputs(module: torch.nn.Module, sample_shape: Sequence[int], tokens: 
     if not isinstance(module, torch.nn.Sequential):
         return None
     with torch.device("meta"), torch.no_grad():
-        x = torch.zeros(1, *sample_shape, dtype=torch.long) if tokens else torch.zeros(1, *sample_shape)
+        x = sample_input(sample_shape, tokens)
         sizes = []
         for block in module:
             x = block(x)
-            sizes.append(x.numel())
+            sizes.append(x.numel() // SAMPLES)
     return sizes
 
 
-def project_model(name: str) -> Model:
-    """lenet, resnet18 or gpt (the tiny one --model gpt trains), on their usual datasets."""
-    info = PROJECT_DATASETS[name]
-    with torch.device("meta"):
-        module = build_model(name, info)
+def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 2) -> Model:
+    """lenet, resnet18 or gpt (`gpt_layers` transformer blocks) as distref.models builds it for a dataset
+    (`info`; by default the model's usual one): its classes, input shape and vocabulary are the model's."""
+    info = info or PROJECT_DATASETS[name]
+    try:
+        with torch.device("meta"):
+            module = build_model(name, info, gpt_layers)
+    except ValueError as e:  # (lenet on images of another size, gpt on images)
+        raise PlanError(str(e)) from None
     shapes = [tuple(p.shape) for p in module.parameters()]
     blocks = [sum(p.numel() for p in block.parameters()) for block in module.children()]
+    tokens = info.kind == "sequence"
+    built = dict(
+        shapes=shapes,
+        block_parameters=blocks,
+        autocast_output_bytes=autocast_output_bytes(module, info.input_shape, tokens),
+        buffers=module_buffers(module),
+    )
     if name == "gpt":
-        shape = PRESETS["gpt-tiny"]
-        return dataclasses.replace(decoder("gpt", shape), shapes=shapes, block_parameters=blocks)
+        shape = act.gpt_shape(info, gpt_layers)
+        shape = GPTShape(shape["layers"], shape["hidden"], shape["heads"], shape["vocab"], shape["seq"])
+        return dataclasses.replace(decoder(name, shape), **built)
 
     def formula(element_bytes: int, checkpointed: bool):
-        e = element_bytes
-        if name == "lenet":
-            return act.lenet_blocks(e, checkpointed), act.Loss(e * info.num_classes + act.INDEX_BYTES, e)
-        blocks = act.resnet18_blocks(info.input_shape, e, checkpointed)
-        return blocks, act.Loss(e * info.num_classes + act.INDEX_BYTES, e)
+        return act.model_blocks(name, info, gpt_layers, element_bytes, checkpointed)
 
-    flops = flops_by_block(module, info.input_shape, False)
-    outputs = block_outputs(module, info.input_shape, False)
-    return Model(name, shapes, blocks, None, sum(flops), 1, formula, outputs, flops)
+    flops = flops_by_block(module, info.input_shape, tokens)
+    outputs = block_outputs(module, info.input_shape, tokens)
+    return Model(
+        name, flops_per_sample=sum(flops), formula=formula, block_outputs=outputs, block_flops=flops, **built
+    )
 
 
 def custom_model(spec: str, sample_shape: Sequence[int] | None, tokens: bool) -> Model:
-    """`module:function`, built on the meta device (no memory used): its parameters; with a sample shape,
-    its FLOPs counted by FlopCounterMode. No activation formula (activations: not estimated)."""
+    """`module:function`, built on the meta device (no memory used): its parameters and buffers; with a
+    sample shape, its FLOPs counted by FlopCounterMode. No activation formula (activations: not
+    estimated)."""
+    if not is_factory(spec):
+        raise PlanError(f"--model {spec}: give MODULE:FUNCTION, e.g. mypkg.models:build")
     module_name, _, function = spec.partition(":")
     try:
         built = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as e:
-        raise PlanError(f"--model {spec}: cannot import {function!r} from {module_name!r} ({e})") from None
+    except (Exception, SystemExit) as e:  # (a missing module or function, or the module failing as imported)
+        raise PlanError(
+            f"--model {spec}: cannot import {function!r} from {module_name!r} ({type(e).__name__}: {e})"
+        ) from None
     try:
         with torch.device("meta"):
             module = built()
-    except Exception as e:  # (the user's code: whatever it raises is said in one line)
+    except (Exception, SystemExit) as e:  # (the user's code: whatever it raises is said in one line)
         raise PlanError(
             f"--model {spec}: {function}() failed on the meta device: {type(e).__name__}: {e}"
         ) from None
@@ -176,12 +249,13 @@ def custom_model(spec: str, sample_shape: Sequence[int] | None, tokens: bool) ->
             mine = [p for p in child.parameters() if id(p) not in seen]
             seen.update(id(p) for p in mine)
             blocks.append(sum(p.numel() for p in mine))
-    flops = outputs = per_block = None
+    flops = outputs = per_block = autocast_bytes = None
     if sample_shape:
         try:
             per_block = flops_by_block(module, sample_shape, tokens)
             flops = sum(per_block) or None  # (no FLOPs counted: no time)
             outputs = block_outputs(module, sample_shape, tokens)
+            autocast_bytes = autocast_output_bytes(module, sample_shape, tokens)
         except Exception as e:
             raise PlanError(
                 f"--model {spec} on --sample-shape {','.join(map(str, sample_shape))}: its forward failed "
@@ -191,7 +265,16 @@ def custom_model(spec: str, sample_shape: Sequence[int] | None, tokens: bool) ->
     if per_block is not None and len(per_block) != len(blocks):
         per_block = None  # (parameters on the Sequential itself: not cut into stages)
     return Model(
-        spec, shapes, blocks, None, flops, tokens_per_sample, block_outputs=outputs, block_flops=per_block
+        spec,
+        shapes,
+        blocks,
+        None,
+        flops,
+        tokens_per_sample,
+        block_outputs=outputs,
+        block_flops=per_block,
+        autocast_output_bytes=autocast_bytes,
+        buffers=module_buffers(module),
     )
 
 

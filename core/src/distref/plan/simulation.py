@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from distref.plan.cluster import GiB
 from distref.plan.costing import Row, cost
@@ -56,6 +57,7 @@ def simulate_row(plan: Plan, row: Row) -> str:
             f"{gb(16 * plan.model.parameters)} of them is too much to build here; --simulate N picks another row"
         )
     world = layout.dp * layout.tp * layout.pp
+    excepthook = sys.excepthook  # (its process group wraps it, to prefix "[rank0]:" to every line)
     try:
         run = simulate(
             impl,
@@ -69,6 +71,8 @@ def simulate_row(plan: Plan, row: Row) -> str:
         )
     except ValueError as e:
         return f"{impl} at {world} ranks: not simulated: {e}"
+    finally:
+        sys.excepthook = excepthook
     states = sum(run.model_state_bytes.values())
     comm = sum(e["bus_bytes"] for e in run.communication.values())
     return (

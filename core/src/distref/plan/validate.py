@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distref.cost import activations as act
+from distref.config import FactoryError, RunConfig, is_factory
+from distref.data import DataError, DatasetInfo
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.plan.cluster import DEFAULT_MFU, GPU, GPUS, Cluster, Training
 from distref.plan.costing import cost, peak, step_flops
 from distref.plan.layouts import Layout
-from distref.plan.model import Model, PlanError, decoder, project_model
-from distref.simulate import GPTShape
+from distref.plan.model import Model, PlanError, custom_model, project_model
 
 IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its options)
     "single": lambda world, o: Layout("ddp", dp=1),
@@ -28,8 +28,20 @@ IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its
     ),
     "deepspeed_zero": lambda world, o: Layout(f"zero{o['zero_stage']}", dp=world),
     "tensor_parallel": lambda world, o: tensor_parallel_layout(world, o.get("dp_shard"), o.get("tp")),
-    "pipeline": lambda world, o: Layout(f"pp-{o['schedule']}", dp=o["dp"], pp=world // o["dp"]),
-    "model_parallel": lambda world, o: Layout("model_parallel", pp=world),
+    "pipeline": lambda world, o: Layout(
+        f"pp-{o['schedule']}",
+        dp=o["dp"],
+        pp=world // o["dp"],
+        stages_per_rank=o.get("stages_per_rank"),
+        partition=o.get("partition"),
+    ),
+    # --devices: one process drives every part, and what it holds is the whole model's (planned as one
+    # part); otherwise one process per part
+    "model_parallel": lambda world, o: (
+        Layout("model_parallel", pp=1)
+        if o.get("devices")
+        else Layout("model_parallel", pp=world, partition=o.get("partition"))
+    ),
 }
 
 
@@ -51,34 +63,30 @@ def tensor_parallel_layout(world: int, dp: int | None, tp: int | None) -> Layout
     return Layout("tp", dp=dp or max(1, world // tp), tp=tp)
 
 
-def dataset_info(config: dict[str, Any]):
-    """The DatasetInfo a run's model was built for, from its record's config."""
-    from distref.data.tensors import DatasetInfo
+def dataset_info(config: dict[str, Any]) -> DatasetInfo:
+    """The DatasetInfo a run's model was built for, from its record's config: a named dataset's without
+    reading it; a text file's or a dataset of yours read again (DataError where it is gone)."""
+    from distref.data.datasets import NAMED_DATASET_SAMPLES, sample_batch
 
     model, dataset = config["model"], config["dataset"]
-    if dataset == "synthetic" or dataset in ("mnist", "fashion-mnist", "digits", "cifar10"):
-        if model == "gpt":
-            return PROJECT_DATASETS["gpt"]
-        shape = (3, 32, 32) if model == "resnet18" or dataset == "cifar10" else (1, 28, 28)
-        return DatasetInfo(dataset, 10, shape, "image")
-    from distref.config import RunConfig
-    from distref.data.datasets import load_dataset
-
+    if dataset == "synthetic" and model in ("gpt", "resnet18"):  # (synthetic makes each model its inputs)
+        return (
+            PROJECT_DATASETS[model] if model == "gpt" else DatasetInfo("synthetic", 10, (3, 32, 32), "image")
+        )
+    if dataset in NAMED_DATASET_SAMPLES:
+        return NAMED_DATASET_SAMPLES[dataset]
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    return load_dataset(RunConfig(**{k: v for k, v in config.items() if k in fields and k != "strategy"}))[2]
+    return sample_batch(RunConfig(**{k: v for k, v in config.items() if k in fields and k != "strategy"}))[2]
 
 
 def record_model(config: dict[str, Any]) -> Model:
-    """The model a run's record says it trained, on its dataset's inputs."""
+    """The model a run's record says it trained, as built for its dataset (its classes, its inputs);
+    a model of yours (MODULE:FUNCTION) built again on the meta device."""
     info = dataset_info(config)
-    if config["model"] == "gpt":
-        shape = act.gpt_shape(info, config["gpt_layers"])
-        gpt_shape = GPTShape(shape["layers"], shape["hidden"], shape["heads"], shape["vocab"], shape["seq"])
-        return dataclasses.replace(decoder("gpt", gpt_shape), name=f"gpt ({info.name})")
-    model = project_model(config["model"])
-    if info.input_shape != PROJECT_DATASETS[config["model"]].input_shape:
-        raise PlanError(f"{config['model']} on {info.name}'s {info.input_shape} inputs: no preset shape")
-    return model
+    if is_factory(config["model"]):
+        return custom_model(config["model"], info.input_shape, info.kind == "sequence")
+    model = project_model(config["model"], info, config["gpt_layers"])
+    return dataclasses.replace(model, name=f"{config['model']} ({info.name})")
 
 
 def validate(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
@@ -93,7 +101,7 @@ def validate(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
             results.append({"run": str(run_dir), **validate_run(record)})
         except PlanError as e:
             raise PlanError(f"{path}: {e}") from None
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError) as e:
             raise PlanError(
                 f"{path} is not a run record this plan can read ({type(e).__name__}: {e})"
             ) from None
@@ -118,12 +126,34 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     options = config.get("extra") or {}
     if impl == "fsdp" and world % (options.get("hsdp") or 1):
         raise PlanError(f"--hsdp {options['hsdp']} does not divide its {world} ranks")
-    precision = {"fp32": "fp32", "fp64": "fp64"}.get(config["precision"])
-    if precision is None:
+    notes = []
+    # bf16/fp16: the impls keep fp32 states and compute in 16 bits under autocast (no activation formula);
+    # DeepSpeed alone trains 16-bit parameters with fp32 master copies, the ZeRO paper's mixed precision
+    precision = config["precision"]
+    if precision in ("bf16", "fp16"):
+        precision = "mixed" if impl == "deepspeed_zero" else "autocast"
+        notes.append(
+            f"--precision {config['precision']}: "
+            + (
+                "DeepSpeed's 16-bit parameters and fp32 master copies planned by the ZeRO paper's bytes "
+                "per parameter (DeepSpeed's padding left out), activations at 2 bytes"
+                if precision == "mixed"
+                else "fp32 states, 16-bit compute under autocast; activations not planned (no formula)"
+            )
+        )
+    elif precision not in ("fp32", "fp64"):
+        return {"impl": impl, "skipped": f"--precision {precision}: the plan has no formula for it"}
+    if impl == "tensor_parallel" and is_factory(config["model"]):
         return {
             "impl": impl,
-            "skipped": f"--precision {config['precision']}: autocast has no activation formula",
+            "skipped": f"--model {config['model']}: tensor parallelism by a tp_plan has no formula (gpt's only)",
         }
+    if impl == "model_parallel" and options.get("devices"):
+        notes.append(f"--devices {options['devices']}: one process holds every part; planned as one part")
+    try:
+        model = record_model(config)
+    except (DataError, FactoryError, PlanError) as e:
+        return {"impl": impl, "skipped": f"its model or data cannot be built here: {e}"}
     training = Training(
         global_batch=config["global_batch_size"],
         micro_batch=1,
@@ -134,7 +164,6 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         grad_accum=options.get("microbatches") or config["grad_accum"],  # (a pipeline's: its micro-batches)
     )
     gpu = GPUS["cpu"] if record["environment"]["device"] == "cpu" else gpu_named(record["environment"])
-    model = record_model(config)
     row = cost(IMPL_LAYOUT[impl](world, options), model, Cluster(gpu, world), training)
     rank = row.pipeline_rank or 0
     states = (record.get("model_state_bytes") or {rank: None})[rank]
@@ -142,12 +171,11 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     activations = ((record.get("activation_bytes") or {}).get("measured") or {rank: None})[rank]
     step_s = config["global_batch_size"] / record["samples_per_s"] if record.get("samples_per_s") else None
     flops = step_flops(model, training, world)
-    unplanned = [
-        f"{option}={options[option]}"
+    planned_as = {
+        option: planned
         for option, planned in PLANNED_AS.get(impl, {}).items()
         if options.get(option, planned) != planned
-    ]
-    notes = []
+    }
     if (
         row.strategy in ("fsdp", "hsdp", "tp")
         and row.grad_accum > 1
@@ -161,7 +189,8 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         "impl": impl,
         "layout": f"{row.strategy} {row.mesh}",
         "rank": rank,
-        "not_planned": unplanned,
+        "not_planned": [f"{option}={options[option]}" for option in planned_as],  # the run's values
+        "planned_as": [f"{option}={planned}" for option, planned in planned_as.items()],
         "notes": notes,
         "model_states": [sum(states.values()) if states else None, row.memory_per_gpu_bytes["model_states"]],
         "activations": [activations, row.memory_per_gpu_bytes["activations"]],
@@ -219,7 +248,7 @@ def render_validation(results: list[dict[str, Any]]) -> str:
             f"activations {pair(r['activations'], size)}; communication {pair(r['communication_bus_bytes'], size)} "
             f"bus bytes; step {pair(r['step_s'], secs)}, implied MFU {mfu}"
             + (
-                f" (the plan assumes the defaults of: {', '.join(r['not_planned'])})"
+                f" (planned with {', '.join(r['planned_as'])}; the run had {', '.join(r['not_planned'])})"
                 if r["not_planned"]
                 else ""
             )

@@ -40,3 +40,28 @@ def check_activations_predicted(record: dict) -> None:
     measured, predicted = activations["measured"], activations["predicted"]
     assert predicted is not None and None not in predicted, "no activation formula for this run"
     assert measured == predicted, f"measured {measured}\npredicted {predicted}"
+
+
+# A model of yours that trains only part of itself (frozen and unused parameters), on the example data
+PARTLY_TRAINED_RUN = [
+    *("--model", "distref.testing.partly_trained:mlp", "--dataset", "distref.testing.own:example_data"),
+    *("--steps", "3", "--global-batch-size", "24"),
+]
+
+
+def check_partly_trained_predicted(record: dict, communication: bool = True) -> None:
+    """A run of PARTLY_TRAINED_RUN (`record`, rank 0's): the model states (and, where `communication`, what
+    each rank communicated) equal the formulas', which count gradients, optimizer state and gradient
+    communication of the parameters that receive a gradient only; activations have none, and the record
+    says why. Frozen and unused parameters make a difference the check can see: fewer gradient bytes
+    than parameter bytes on every rank."""
+    check_model_states_predicted(record)
+    assert all(s["gradients"] < s["parameters"] for s in record["model_state_bytes"]), record[
+        "model_state_bytes"
+    ]
+    if communication:
+        measured, predicted = record["communication"]["measured"], record["communication"]["predicted"]
+        assert predicted is not None, record["predicted_unavailable"]
+        assert not differences(measured, predicted), "\n".join(differences(measured, predicted))
+    assert record["activation_bytes"]["predicted"] is None
+    assert record["predicted_unavailable"]["activations"].startswith("no activation formula for --model ")

@@ -68,10 +68,13 @@ def your_parity_args(steps: int = 10, global_batch_size: int = 32) -> list[str]:
     ]
 
 
-def check_parity_on_your_model(run_impl: Callable[[list[str]], object], tmp_path: Path) -> float:
+def check_parity_on_your_model(
+    run_impl: Callable[[list[str]], object], tmp_path: Path, args: list[str] | None = None
+) -> float:
     """Run the impl (`run_impl(args)`, which must succeed) and single, in this process, on your model and
-    data; assert their final parameters agree within PARITY_TOLERANCE; return the difference."""
-    args = your_parity_args()
+    data (or on `args`); assert their final parameters agree within PARITY_TOLERANCE; return the
+    difference."""
+    args = args or your_parity_args()
     run_impl([*args, "--save-final", str(tmp_path / "impl.pt")])
     load_train_module("single").main([*args, "--save-final", str(tmp_path / "single.pt")])
     impl, single = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("impl", "single"))

@@ -37,6 +37,7 @@ from distref.training.device import (
     param_dtype,
     pick_device,
     seed_everything,
+    seed_step,
     synchronize,
 )
 from distref.training.measure import (
@@ -97,6 +98,7 @@ __all__ = [
     "save_step_checkpoint",
     "score",
     "seed_everything",
+    "seed_step",
     "stop_if_diverged",
     "synchronize",
     "tensorboard_writer",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -45,6 +47,30 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
     except ImportError:
         pass
+
+
+def seed_step(seed: int, step: int, stream: int = 0, devices: Sequence[torch.device] = ()) -> None:
+    """Seed torch's generators for `step`: the CPU's and each CUDA device's of `devices`, from (seed, step,
+    stream, device). A step's random numbers (dropout masks) are then a function of the step, not of what
+    ran before: a resumed or restarted run draws what an uninterrupted one does, on every rank.
+
+    Ranks, or devices, that compute different samples or different units take different streams: their
+    masks must be independent (under DDP, seeded alike, sample i of every rank would get one mask).
+    Ranks that compute the same activations (tensor parallelism's replicated region) take the same
+    stream: their masks must be equal, or the replicas part. Each impl says which it passes."""
+    torch.random.default_generator.manual_seed(stream_seed(seed, step, stream, "cpu"))
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.default_generators[device.index or 0].manual_seed(
+                stream_seed(seed, step, stream, str(device))
+            )
+
+
+def stream_seed(seed: int, step: int, stream: int, device: str) -> int:
+    """A 63-bit seed per (seed, step, stream, device): hashed, so that neighbouring steps or streams do
+    not start neighbouring sequences."""
+    digest = hashlib.sha256(f"{seed}/{step}/{stream}/{device}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def param_dtype(cfg: RunConfig) -> torch.dtype:
