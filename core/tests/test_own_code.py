@@ -204,6 +204,22 @@ MINE = textwrap.dedent('''
         return dropout_mlp()
 
 
+    class DataDependent(nn.Module):
+        """A forward that reads a value (`.item()`): it cannot run on the meta device."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            hidden = torch.relu(self.fc1(x))
+            return self.fc2(hidden if hidden.sum().item() >= 0 else -hidden)
+
+
+    def data_dependent():
+        return DataDependent()
+
+
     class WithUnused(nn.Module):
         def __init__(self):
             super().__init__()
@@ -231,6 +247,19 @@ MINE = textwrap.dedent('''
                 torch.save(out != 0, f"{os.environ['MASKS']}/{self.name}-{rank}-{self.calls}.pt")
                 self.calls += 1
             return out
+
+
+    def dropout_nested():
+        """The colwise layer inside a block of its own (Linear, GELU): recomputed in backward, apart from
+        the rowwise layer that ends its split."""
+        model = nn.Sequential(
+            OrderedDict(
+                fc1=nn.Sequential(nn.Linear(16, 32), nn.GELU()), inner=MaskProbe("inner"),
+                fc2=nn.Linear(32, 16), outer=MaskProbe("outer"), out=nn.Linear(16, 4),
+            )
+        )
+        model.tp_plan = {"fc1.0": "colwise", "fc2": "rowwise"}
+        return model
 
 
     def dropout_mlp():
@@ -478,6 +507,10 @@ def test_the_model_fingerprint_covers_every_value_buffers_and_zero_dim_ones_incl
     with torch.no_grad():
         model[0].weight[2, 1] += 1e-7
     assert state_fingerprint(model.state_dict().items()) != before
+    # a strided buffer (a positional table's every other column) and a module's extra state
+    strided = torch.arange(16.0).reshape(4, 4)[:, ::2]
+    assert state_fingerprint([("pe", strided)]) == state_fingerprint([("pe", strided.contiguous())])
+    assert state_fingerprint([("extra", {"a": 1})]) != state_fingerprint([("extra", {"a": 2})])
 
 
 def read_masks(folder, name: str, rank: int, call: int) -> torch.Tensor:
@@ -507,6 +540,37 @@ def test_dropout_masks_are_each_rank_s_own_where_ranks_hold_other_data(project):
     assert (first[0] == first[1]).float().mean() < 0.75  # independent: about half agree, not all
     assert torch.equal(first[0], read_masks(masks, "inner", 0, 1))  # step 1 again, in the 3-step run
     assert not torch.equal(read_masks(masks, "inner", 0, 1), read_masks(masks, "inner", 0, 2))
+
+
+@pytest.mark.parametrize("model", ["dropout_mlp", "dropout_nested"])
+def test_tensor_parallel_recomputes_the_masks_it_drew(model, project, tmp_path):
+    """--activation-checkpointing draws a block's masks again in backward: from the same streams (the
+    checkpoint restores the stream it is in; a colwise layer recomputed apart from its rowwise partner
+    opens no region), so the run ends where one without recompute does."""
+    args = ["--model", f"mine:{model}", "--dataset", "mine:data", "--steps", "3", "--optimizer", "sgd"]
+    for name, extra in (("plain", []), ("recomputed", ["--activation-checkpointing"])):
+        result = run_ranks(
+            2,
+            str(train_path("tensor_parallel")),
+            [*args, *extra, "--save-final", str(tmp_path / name)],
+            env=dict(os.environ),
+            timeout=120,
+            cwd=project,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+    plain, recomputed = (torch.load(tmp_path / n, weights_only=True) for n in ("plain", "recomputed"))
+    assert all(torch.equal(plain[k], recomputed[k]) for k in plain)
+
+
+def test_ddp_looks_for_unused_parameters_where_the_meta_forward_cannot_tell(project):
+    """A forward that reads a value cannot run on the meta device: which parameters the loss reaches is
+    unknown, so DDP looks in every backward, and says why (not naming every parameter as unused)."""
+    args = ["--model", "mine:data_dependent", "--dataset", "mine:data", "--steps", "2"]
+    result = run_ranks(2, str(train_path("ddp")), args, env=dict(os.environ), timeout=120, cwd=project)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in result.stdout.splitlines() if "DDP looks for unused" in line]
+    assert len(said) == 1 and "unknown which parameters the loss uses" in said[0], said
+    assert "fc1.weight" not in said[0]
 
 
 @pytest.mark.parametrize("world, dp_shard", [(2, 1), (4, 2)])
@@ -592,6 +656,9 @@ def test_a_dataset_read_item_by_item_is_stacked_in_chunks_and_a_tensor_dataset_t
     assert torch.equal(read.x, x) and torch.equal(read.y, y)
     pairs[20] = (torch.zeros(2), 0)
     with pytest.raises(datasets.DataError, match="inputs of several shapes"):
+        datasets.as_tensors(pairs, "pairs")
+    pairs[20] = (x[20], torch.tensor([1]))  # a target of shape (1,) among scalars, in the third chunk
+    with pytest.raises(datasets.DataError, match=r"item 20's target has shape \(1,\), item 0's \(\)"):
         datasets.as_tensors(pairs, "pairs")
     taken = datasets.as_tensors(TensorDataset(x, y), "tensors")
     assert taken.x.data_ptr() == x.data_ptr() and torch.equal(taken.y, y)

@@ -87,6 +87,7 @@ class DDPOptions:
 
     bucket_cap_mb: float
     static_graph: bool
+    find_unused_parameters: bool
     grad_as_bucket_view: bool
     comm_hook: str
 
@@ -110,8 +111,10 @@ def apply_ddp(
     # never reaches (a layer of yours built and not used) ends the second step in `Expected to have
     # finished reduction`. Told which, DDP looks for them in each backward; where the meta forward
     # cannot tell (usage.unknown), it looks too.
-    unused = [n for n, p in model.named_parameters() if usage and p.requires_grad and not usage.is_trained(n)]
-    find_unused = bool(unused or (usage and usage.unknown)) and not options.static_graph
+    known = usage is not None and usage.unknown is None
+    unused = [n for n, p in model.named_parameters() if known and p.requires_grad and not usage.is_trained(n)]
+    find_unused = options.find_unused_parameters or bool(unused or (usage is not None and usage.unknown))
+    find_unused = find_unused and not options.static_graph
     if find_unused and rank == 0:
         said = (
             f"{', '.join(unused)} not used by the loss"
@@ -196,7 +199,10 @@ def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: in
             buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
             # as apply_ddp decides it: parameters the loss leaves unread, and no static graph
             find_unused_parameters=not options.static_graph
-            and any(p.requires_grad and not t for p, t in zip(model.parameters(), trained, strict=True)),
+            and (
+                options.find_unused_parameters
+                or any(p.requires_grad and not t for p, t in zip(model.parameters(), trained, strict=True))
+            ),
             bucket_order=ddp_bucket_order(usage.gradient_indices(in_buckets), len(in_buckets)),
         )
     if not usage.unknown:
@@ -359,6 +365,12 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="promise the same used parameters every step (lets DDP skip per-step checks)",
     )
     parser.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="look for parameters the loss does not reach in every backward: for a model whose graph "
+        "changes from step to step (stochastic depth, LayerDrop); one traced forward finds the others",
+    )
+    parser.add_argument(
         "--grad-as-bucket-view",
         action="store_true",
         help="gradients are views into the all-reduce buckets (saves one gradient copy)",
@@ -376,6 +388,8 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
         # torch 2.13: the first no_sync() step trips `expect_autograd_hooks_` in reducer.cpp on every rank
         # (pytorch #143580); the workaround proposed there silently stops gradients being all-reduced.
         return "--static-graph cannot be combined with --grad-accum > 1 (no_sync) in torch 2.13; drop one"
+    if cfg.strategy.static_graph and cfg.strategy.find_unused_parameters:
+        return "--static-graph promises the same used parameters every step; --find-unused-parameters does not: drop one"
     if cfg.strategy.comm_hook == "powersgd" and not uses_cuda(cfg):
         # Measured on torch 2.13 + gloo: powerSGD_hook crashes or hangs intermittently once the
         # gradients span 2+ buckets, and batched_powerSGD_hook always fails. Refuse rather than hang.

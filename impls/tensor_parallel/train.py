@@ -181,7 +181,7 @@ class RandomStreams:
                 model.get_submodule(name).register_forward_pre_hook(self.leave)
 
     def enter(self, *_) -> None:
-        if self.outside is not None:  # (q, k and v: three colwise layers open one region)
+        if self.outside is not None or in_backward():  # (q, k, v: three colwise layers open one region)
             return
         drawn = int(torch.randint(2**62, (1,)))  # from the shared CPU stream: the same on the whole group
         cuda = self.device.type == "cuda"
@@ -193,13 +193,20 @@ class RandomStreams:
             )
 
     def leave(self, *_) -> None:
-        if self.outside is None:
+        if self.outside is None or in_backward():
             return
         cpu_state, cuda_state = self.outside
         torch.set_rng_state(cpu_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state, self.device)
         self.outside = None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward here: activation checkpointing recomputing a block, whose
+    random state the checkpoint has restored itself (a colwise layer recomputed without its rowwise
+    partner must not open a region that nothing closes)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions) -> nn.Module:

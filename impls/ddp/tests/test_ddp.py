@@ -348,6 +348,9 @@ def test_ddp_options_take_effect(ddp_in_this_process):
     default = plain._get_ddp_logging_data()
     assert default["rebuilt_bucket_sizes"] == "87360"  # lenet's 21,840 fp32 gradients: one 25 MB bucket
     assert default.get("static_graph", 0) == 0 and default["gradient_as_bucket_view"] == 0
+    assert plain.find_unused_parameters is False  # (lenet: every parameter used)
+    _, looking = run([*args, "--find-unused-parameters"])
+    assert looking.find_unused_parameters is True
     options = ["--static-graph", "--grad-as-bucket-view", "--bucket-cap-mb", "0.005"]
     _, tuned = run([*args, *options])
     data = tuned._get_ddp_logging_data()

@@ -290,6 +290,13 @@ def as_tensors(dataset, what: str) -> TensorData:
                     f"({first_line(exc)})"
                 ) from None
         shapes.add(tuple(inputs[-1].shape))
+        if i == 0:
+            target_shape = targets[0].shape
+        elif targets[-1].shape != target_shape:
+            raise DataError(
+                f"{what}: item {i}'s target has shape {tuple(targets[-1].shape)}, item 0's "
+                f"{tuple(target_shape)}: one is needed"
+            )
         if len(inputs) == STACKED_AT_ONCE or i == n - 1:
             if len(shapes) == 1:  # (else said below)
                 input_chunks.append(torch.stack(inputs))

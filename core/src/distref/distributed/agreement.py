@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,16 @@ from distref.data.tensors import DataError, TensorData
 DIGEST_BYTES = 32  # sha256
 
 
-def state_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 of named tensors (names, shapes, dtypes, values), wherever they are."""
+def state_fingerprint(tensors: Iterable[tuple[str, Any]]) -> str:
+    """sha256 of named tensors (names, shapes, dtypes, values), wherever they are; anything else in a
+    state_dict (a module's extra state) by its repr."""
     digest = hashlib.sha256()
     for name, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):  # (a module's extra state: whatever it keeps)
+            digest.update(f"{name} {tensor!r}".encode())
+            continue
         digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
-        digest.update(tensor.detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
