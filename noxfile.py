@@ -1,5 +1,5 @@
 """Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `compare-gpu`, `parity`, `faults`, `export`,
-`lint`, `tests`, `tests-gpu`, `slurm`, `mutants`.
+`lint`, `tests`, `tests-gpu`, `gpu-check`, `torch-floor`, `slurm`, `mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
 unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
@@ -294,6 +294,35 @@ def run_gpu_tests(session: nox.Session) -> None:
     """pytest -m gpu with the GPUs visible (DISTREF_GPU_TESTS=1), one test at a time: each takes the GPUs
     it needs, and two at once would share them."""
     session.run("pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider", env={"DISTREF_GPU_TESTS": "1"})
+
+
+@nox.session(name="gpu-check", venv_backend="none")
+def gpu_check(session: nox.Session) -> None:
+    """Check a GPU machine in ~6 minutes, one table (docs/gpu.md): with the `python` on PATH and its own
+    torch, no venv (a GPU node often reaches no registry). `-- --bundle DIR` installs the offline bundle."""
+    session.run("python", str(ROOT / "ci" / "gpu_check.py"), *session.posargs, external=True)
+
+
+@nox.session(name="torch-floor")
+def torch_floor(session: nox.Session) -> None:
+    """An impl's tests (not slow, not faults) on the oldest torch its pyproject declares: `-- fsdp`.
+    PyPI's build of that torch (CUDA, several GB; not run by CI). docs/environment.md, "Which torch"."""
+    if len(session.posargs) != 1 or session.posargs[0] not in IMPLS:
+        session.error(f"give one impl: nox -s torch-floor -- IMPL (one of {', '.join(IMPLS)})")
+    impl = session.posargs[0]
+    floor = next(d for d in impl_dependencies(ROOT / "impls" / impl) if d.startswith("torch>="))[7:]
+    # The constraints file pins the newest torch: this venv pins the floor instead, the rest as pinned.
+    pins = [line for line in Path(CONSTRAINTS).read_text().splitlines() if not line.startswith("torch")]
+    constraints = Path(session.create_tmp()) / "floor-constraints.txt"
+    constraints.write_text("\n".join([*pins, f"torch=={floor}.*"]) + "\n")
+    session.install(
+        "-c", str(constraints), "torch", "-e", f"{ROOT / 'core'}", *TEST_DEPS, *impl_requirements(impl)
+    )
+    session.env["DISTREF_DATA"] = DATA_ROOT
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run(
+        "pytest", "-n", "2", "-m", "not slow and not faults", "-p", "no:cacheprovider", f"impls/{impl}"
+    )
 
 
 @nox.session(name="tests-gpu")

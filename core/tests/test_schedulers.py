@@ -6,6 +6,7 @@ core/tests/test_kubernetes.py.)"""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +211,36 @@ def test_check_ranks_refuses_what_it_cannot_check(clean_environment, capsys):
             ["--dataset", "synthetic", "--check-ranks", "2", "--nproc-per-node", "4"]
         )
     assert exit_.value.code == 2 and "drop --nproc-per-node/--max-restarts" in capsys.readouterr().err
+
+
+def test_rendezvous_port_is_free_below_the_ephemeral_range_and_apart_by_job(tmp_path):
+    """The sbatch scripts' port: never one the kernel hands to a connection (another job's gloo took such
+    a port between the script's pick and rank 0's listen: EADDRINUSE), one in use is passed over, and
+    two jobs on one node start apart."""
+    import socket
+    import subprocess
+    import sys
+
+    from distref.schedulers import BASE_PORT, rendezvous_port
+
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("40000\t60999\n")
+    first_choice = rendezvous_port(7, str(ephemeral))
+    assert first_choice == BASE_PORT + 7 or first_choice > BASE_PORT + 7  # (+7 itself unless in use)
+    with socket.socket() as holder:  # someone else listens there now: the next free one
+        holder.bind(("", first_choice))
+        holder.listen()
+        assert first_choice < rendezvous_port(7, str(ephemeral)) < 40000
+    assert rendezvous_port(7, str(ephemeral)) != rendezvous_port(8, str(ephemeral))
+    ephemeral.write_text("30000\t60999\n")  # BASE_PORT + 999 would be ephemeral: wrapped below 30000
+    assert all(1024 <= rendezvous_port(job, str(ephemeral)) < 30000 for job in (0, 499, 999))
+    printed = subprocess.run(
+        [sys.executable, "-m", "distref.schedulers", "port"],
+        env={**os.environ, "SLURM_JOB_ID": "12"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert 1024 <= int(printed) < low

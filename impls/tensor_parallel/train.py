@@ -153,7 +153,17 @@ def apply_own_plan(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     then a rowwise one (Megatron's MLP). Checked against the model itself before training
     (`own_plan_problem`)."""
     plan = {name: STYLES[style]() for name, style in model.tp_plan.items()}
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize_keeping_frozen(model, tp_mesh, plan)
+
+
+def parallelize_keeping_frozen(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> nn.Module:
+    """parallelize_module, with what was frozen (`requires_grad=False`) still frozen: torch before 2.11
+    makes each split weight a new Parameter that trains (a frozen colwise weight trained there)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    model = parallelize_module(model, tp_mesh, plan)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    return model
 
 
 class RandomStreams:
@@ -248,7 +258,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, options: TPOptions) -> nn.Mo
         if sequence_parallel:
             plan[f"{name}.ln1"] = SequenceParallel()
             plan[f"{name}.ln2"] = SequenceParallel()
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize_keeping_frozen(model, tp_mesh, plan)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:

@@ -13,6 +13,14 @@ runs, each impl's run is checked against its exact oracle (distref.parity.exact_
 options, 20 steps, against the single run that makes the same sums), written as <dir>/<impl>/parity.json
 for the report's parity column. A run that fails appears at the top of the report with its error, is
 listed in one line on stderr, and the command exits 1.
+
+The world size of the multi-process impls is --world-size, else 2 on CPU (which every impl must take: an
+impl refusing it refuses the options, and compare stops before running anything), else on CUDA one rank
+per GPU: the count, up to the GPUs visible, that the most impls fit (default_world). An impl that cannot
+take it (on one GPU: pipeline, which needs 2 stages) is not run, and is listed with why, on stdout and in
+the report, as an impl made for another model is; the others run. Exit 0 when every run that ran
+completed; 1 when one failed, or when none of the impls asked for can run here (single alone compares
+nothing).
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distref import impl_version
-from distref.config import OneLineErrorParser, with_defaults
+from distref.config import OneLineErrorParser, uses_cuda, with_defaults
 from distref.impl_folders import discover, validate
 from distref.parity import SHORT_STEPS, exact_parity
-from distref.ranks import cuda_gpus, largest_fitting, workload_problem
+from distref.ranks import cuda_gpus, workload_problem
 from distref.record import RunRecord, load_record
 from distref.report import TARGETS, build_report
 
@@ -87,34 +96,85 @@ def with_target(run_args: list[str]) -> tuple[list[str], str]:
     )
 
 
-def default_world_size(available: dict[str, dict], chosen: list[str], run_args: list[str]) -> int:
-    """2 on CPU; on CUDA one rank per GPU, as many as every chosen multi-process impl's workload allows
-    (so that all run at one world size), said in one line. With no usable GPU, 2: each impl's own check
-    then says what is wrong."""
+# Counts of ranks above the GPUs tried, to say how many GPUs an impl that fits none of them needs.
+MORE_GPUS_TRIED = 8
+
+
+def choose_world(
+    impls: Sequence[str], counts: Sequence[int], problem_at: Callable[[str, int], str | None]
+) -> tuple[int, dict[str, str]]:
+    """(the world size of `counts` that the most of `impls` fit, {impl: its problem there} for those that do
+    not fit it). Of counts that tie, the largest (more ranks show more of each strategy): where one count
+    fits every impl, that is the largest count that fits them all, as before; where none does, the impls
+    that fit no count (or fewer than the others) are left out rather than the whole comparison."""
+    problems = {n: {i: p for i in impls if (p := problem_at(i, n)) is not None} for n in counts}
+    world = max(counts, key=lambda n: (len(impls) - len(problems[n]), n))
+    return world, problems[world]
+
+
+def short_of_gpus(problem: str | None) -> bool:
+    """Whether `problem` (an impl's refusal of a count of ranks above the GPUs) is only the GPUs: None (no
+    CUDA in the check, as in a test) or distref.cli.gpus_problem's "N ranks on this machine need a CUDA
+    device each", which parse_config says once the workload itself fits."""
+    return problem is None or "ranks on this machine need a CUDA device each" in problem
+
+
+def why_not_run(impl: str, world: int, gpus: int, problem_at: Callable[[str, int], str | None]) -> str:
+    """Why `impl` is not run at `world` ranks on `gpus` GPUs, in one line: the counts it fits here, or the
+    GPUs it needs (pipeline on one GPU: 2 stages), or that it fits none; with its own refusal of `world`."""
+    refusal = f"{world} rank{'s' if world > 1 else ''}: {problem_at(impl, world)}"
+    fits = [n for n in range(1, gpus + 1) if problem_at(impl, n) is None]
+    if fits:
+        return (
+            f"world size {world} does not fit it ({refusal}); it fits {', '.join(map(str, fits))}: "
+            f"--impls {impl} --world-size {fits[-1]} runs it"
+        )
+    most = max(MORE_GPUS_TRIED, 2 * gpus)
+    needs = next((n for n in range(gpus + 1, most + 1) if short_of_gpus(problem_at(impl, n))), None)
+    if needs is not None:
+        return f"needs {needs} GPUs, {gpus} visible ({refusal})"
+    return f"fits no world size up to {most} ({refusal})"
+
+
+def default_world(
+    available: dict[str, dict], chosen: list[str], run_args: list[str]
+) -> tuple[int, list[tuple[str, str]]]:
+    """(the world size of the multi-process impls, [(impl, why not run)] for those that cannot take it).
+
+    On CPU 2, which every impl must take: there the world is not the machine's limit, so an impl that
+    refuses it refuses the options, and the validation before any run says so. On CUDA one rank per GPU,
+    at most the GPUs visible: the count that the most chosen multi-process impls fit, the largest of those
+    that tie (choose_world), said in one line; each impl that does not fit it is not run, listed with why
+    (on one GPU, pipeline: it needs 2 stages), the others all run at that one world size. With no usable
+    GPU, 2: each impl's own check then says what is wrong."""
     device_option = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     device_option.add_argument("--device", default="auto")
     device = device_option.parse_known_args(run_args)[0].device
     if device == "cpu":
-        return 2
+        return 2, []
     gpus, said = cuda_gpus()
     if gpus == 0:
         if device == "cuda":
             print(f"compare: {said}", flush=True)
-        return 2
-    trains = [available[i]["train"] for i in chosen if available[i]["launcher"] == "torchrun"]
+        return 2, []
+    trains = {i: available[i]["train"] for i in chosen if available[i]["launcher"] == "torchrun"}
+    asked: dict[tuple[str, int], str | None] = {}
 
-    def problem_at(ranks: int) -> str | None:
-        problems = [f"{t.parent.name}: {p}" for t in trains if (p := workload_problem(t, run_args, ranks))]
-        return "; ".join(problems) or None
+    def problem_at(impl: str, ranks: int) -> str | None:
+        if (impl, ranks) not in asked:
+            asked[impl, ranks] = workload_problem(trains[impl], run_args, ranks)
+        return asked[impl, ranks]
 
-    ranks, refused = largest_fitting(gpus, problem_at)
-    if ranks is None:
-        sys.exit(
-            f"distref.compare: error: no world size up to {gpus} GPUs fits every impl: {'; '.join(refused)}"
-        )
-    why = f"; not more: {'; '.join(refused)}" if refused else ""
-    print(f"compare: world size {ranks}, one rank per GPU of {said}{why}", flush=True)
-    return ranks
+    counts = range(1, gpus + 1)
+    world, refused = choose_world(list(trains), counts, problem_at)
+    larger = [
+        f"{n} ranks: " + "; ".join(f"{i}: {p}" for i in trains if (p := problem_at(i, n)))
+        for n in reversed(counts)
+        if n > world
+    ]
+    why = f"; not more: {'; '.join(larger)}" if larger else ""
+    print(f"compare: world size {world}, one rank per GPU of {said}{why}", flush=True)
+    return world, [(impl, why_not_run(impl, world, gpus, problem_at)) for impl in refused]
 
 
 def _tee(stream, *sinks) -> None:
@@ -125,8 +185,11 @@ def _tee(stream, *sinks) -> None:
             sink.flush()
 
 
+THREADS_PER_RANK = 1  # every process compare starts (run_one): its hardware is its processes
+
+
 def run_one(command: list[str], log_path: Path) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS_PER_RANK)}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         copier = threading.Thread(target=_tee, args=(proc.stdout, sys.stdout.buffer, log))
@@ -158,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--world-size",
         type=int,
-        help="ranks of the multi-process impls (default: 2 on CPU; on CUDA one per GPU, as many as every "
-        "impl's workload allows)",
+        help="ranks of the multi-process impls, which each must take (default: 2 on CPU; on CUDA one per "
+        "GPU, as many as the most impls' workloads allow: the others are not run, and listed with why)",
     )
     parser.add_argument("--out", help="directory for the runs and the report (default runs/compare/<time>)")
     parser.add_argument("--impls-dir", default="impls")
@@ -179,11 +242,19 @@ def main(argv: list[str] | None = None) -> None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or Path("runs") / "compare" / stamp)
 
+    asked = [impl for impl in chosen if impl != "single"]
     chosen, not_run = made_for_the_model(available, chosen, run_args)
+    if args.world_size is None:
+        args.world_size, unfit = default_world(available, chosen, run_args)
+        chosen = [impl for impl in chosen if impl not in dict(unfit)]
+        not_run += unfit
     for impl, reason in not_run:
         print(f"{impl}: not run ({reason})", flush=True)
-    if args.world_size is None:
-        args.world_size = default_world_size(available, chosen, run_args)
+    if asked and not [impl for impl in chosen if impl != "single"]:  # single alone compares nothing
+        sys.exit(
+            "distref.compare: error: none of the impls asked for can run here: "
+            + "; ".join(f"{impl}: {reason}" for impl, reason in not_run)
+        )
 
     # Validate everything before starting anything: a typo fails in a second, not after the first impl.
     plans = []
@@ -210,13 +281,20 @@ def main(argv: list[str] | None = None) -> None:
         status = "completed" if code == 0 else "FAILED"
         print(f"[{i}/{len(plans)}] {impl}: {status} in {time.perf_counter() - t0:.0f}s", flush=True)
         if code != 0 and not (run_dir / "record.json").exists():
-            # The run died before writing its record (torchrun failure, crash at start-up): say so.
+            # The run died before writing its record (torchrun failure, crash at start-up): say so, in a
+            # record of compare's: the run's device, as its options ask, the threads compare gave it, and
+            # nothing it did not measure.
             import torch
 
             record = RunRecord(
                 impl, impl_version(available[impl]["train"]), cfg, world, torch.device("cpu"), "n/a"
             )
-            record.fail(failure_reason(run_dir / "log.txt", code))
+            record.data["environment"].update(
+                device="cuda" if uses_cuda(cfg) else "cpu",
+                device_name="not recorded",
+                threads_per_rank=THREADS_PER_RANK,
+            )
+            record.fail(f"ended before writing its record: {failure_reason(run_dir / 'log.txt', code)}")
 
     # Parity from the exact oracle: each impl's run, shortened to a few steps, against the single run that
     # makes the same sums (over a whole run, rounding drifts apart; the report shows that drift apart).

@@ -110,10 +110,15 @@ PIPELINE_NOTE = (
 )
 
 
+def on_cpu(record: dict[str, Any]) -> bool:
+    """Whether the run computed on CPU (its record's device is not CUDA)."""
+    return not str(record["environment"]["device"]).startswith("cuda")
+
+
 def hardware(record: dict[str, Any]) -> tuple[int, str]:
     """(units, description) of what a run kept busy: GPUs on CUDA, processes × threads on CPU."""
     env = record["environment"]
-    if str(env["device"]).startswith("cuda"):
+    if not on_cpu(record):
         gpus = record.get("devices") or record["world_size"]
         return gpus, f"{gpus} GPU{'s' if gpus > 1 else ''}"
     processes, threads = record["world_size"], env.get("threads_per_rank") or 1
@@ -200,14 +205,21 @@ def training_time_to(record: dict[str, Any], eval_step: int) -> float:
 
 def workload_differences(runs: list[Run]) -> list[str]:
     """One line per workload option on which the runs disagree (empty when comparable). Threads per rank
-    count too: one run with 2 threads beside another with 1 compares the thread pools, not the strategies."""
+    count too, on CPU: one run with 2 threads beside another with 1 compares the thread pools, not the
+    strategies. On CUDA the GPUs do the work (threads only feed them: hardware counts GPUs), and a run that
+    did not complete measured nothing to compare (one that died before its record has compare's own
+    process's threads in the record compare wrote for it): neither counts there."""
     lines = []
     # Two runs may share a label (two runs of single): each run is one entry, named by its label.
     for key in WORKLOAD_KEYS:
         values = [(run.label, defining_value(run.record["config"], key)) for run in runs]
         if len({repr(v) for _, v in values}) > 1:
             lines.append(f"--{key.replace('_', '-')}: " + ", ".join(f"{k}={v}" for k, v in values))
-    threads = [(run.label, run.record["environment"].get("threads_per_rank")) for run in runs]
+    threads = [
+        (run.label, run.record["environment"].get("threads_per_rank"))
+        for run in runs
+        if run.ok and on_cpu(run.record)
+    ]
     if len({t for _, t in threads}) > 1:
         lines.append("threads per rank: " + ", ".join(f"{k}={v}" for k, v in threads))
     return lines
@@ -962,7 +974,8 @@ def build_report(
     not_run: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """The comparison report (report.md and its plots) of the runs in `run_dirs`, written under `out`;
-    `not_run`: (impl, why) of impls the comparison left out of this workload."""
+    `not_run`: (impl, why) of impls the comparison left out (made for another model, or unable to take
+    the world size on these GPUs), listed under "Not run"."""
     runs = load_runs(run_dirs)
     if not runs:
         raise SystemExit("distref.report: error: no runs given")
@@ -1009,7 +1022,7 @@ def build_report(
     if failures:
         md += ["## Failed runs", "", _md_table(["run", "error", "run dir"], failures), ""]
     if not_run:
-        md += ["## Not run on this workload", "", _md_table(["impl", "why"], [list(n) for n in not_run]), ""]
+        md += ["## Not run", "", _md_table(["impl", "why"], [[i, as_text(why)] for i, why in not_run]), ""]
     for title, (header, rows) in table_data.items():
         md += [f"## {title}", "", _md_table(header, rows), ""]
         if title.startswith("Parity"):

@@ -10,8 +10,8 @@ srun, a task of a step of several tasks:
     RANK = SLURM_PROCID      WORLD_SIZE = SLURM_STEP_NUM_TASKS      LOCAL_RANK = SLURM_LOCALID
     LOCAL_WORLD_SIZE = this node's entry of SLURM_STEP_TASKS_PER_NODE ("2(x2)": 2 on each of 2 nodes)
     MASTER_ADDR = the address of the step's first node (the one with task 0), unless already set
-    MASTER_PORT = 29500 + the job id mod 1000, unless already set (launch/slurm/srun.sbatch sets a free
-                  port of the first node, which two jobs on one node cannot share)
+    MASTER_PORT = 29500 + the job id mod 1000, unless already set (launch/slurm/srun.sbatch sets
+                  `python -m distref.schedulers port`: one free on the first node, see rendezvous_port)
 
 A PyTorchJob pod that runs `python train.py` (no torchrun in it): the operator sets MASTER_ADDR,
 MASTER_PORT, WORLD_SIZE and RANK (the pod's index: the master 0, worker i i + 1), but no LOCAL_RANK:
@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
+import sys
+from pathlib import Path
 
 BASE_PORT = 29500
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 class SchedulerError(ValueError):
@@ -110,6 +114,31 @@ def become_rank_of_srun_step() -> None:
     env.setdefault("MASTER_PORT", str(BASE_PORT + number("SLURM_JOB_ID", default="0") % 1000))
 
 
+def rendezvous_port(job_id: int, ephemeral_range: str = EPHEMERAL_RANGE) -> int:
+    """A port for rank 0's store that is free on this node now and stays free until rank 0 listens.
+
+    Not one the kernel picks (`bind(("", 0))`): that comes from the ephemeral range, from which every
+    outgoing connection on the node also takes its local port, so in the seconds before rank 0 listens
+    another job's gloo or NCCL connection can take it (EADDRINUSE, seen with two jobs on one node). A
+    port below that range is only ever taken by a listener that asks for it: the first free one from
+    BASE_PORT + the job id mod 1000, so two jobs on one node start apart."""
+    try:
+        low = int(Path(ephemeral_range).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    ports = range(1024, max(low, 1025))  # (above the ports only root may listen on)
+    first = (BASE_PORT + job_id % 1000 - ports.start) % len(ports)
+    for i in range(len(ports)):
+        port = ports[(first + i) % len(ports)]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT) here
+        return port
+    raise SchedulerError(f"no free port below {low} on this node for the rendezvous")
+
+
 def pytorchjob_pod() -> bool:
     """Whether this process has the env:// variables a PyTorchJob pod gets (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT) without torchrun's LOCAL_RANK: a pod that is one rank."""
@@ -153,3 +182,9 @@ def scheduler_info() -> dict[str, str | int | None] | None:
         "launched_by": launched_by,
         "master_addr": env.get("MASTER_ADDR"),  # where rank 0 (its store) was reached
     }
+
+
+if __name__ == "__main__":  # `python -m distref.schedulers port`: the sbatch scripts' rendezvous port
+    if sys.argv[1:] != ["port"]:
+        sys.exit("usage: python -m distref.schedulers port")
+    print(rendezvous_port(number("SLURM_JOB_ID", default="0")))

@@ -329,6 +329,32 @@ def test_model_states_of_your_model_equal_the_formula_and_the_rest_says_why_not(
     assert "tp_plan" in record["predicted_unavailable"]["communication"]
 
 
+def test_a_frozen_weight_stays_frozen_where_torch_unfreezes_what_it_splits(monkeypatch):
+    """torch 2.8-2.10's parallelize_module makes each split weight a new Parameter that trains (measured:
+    the partly-trained model's frozen colwise weight got a gradient there). Faked here as those torches do
+    it: the impl puts back what was frozen."""
+    from distref.testing.partly_trained import mlp
+
+    tp = load_train_module(IMPL)
+
+    def unfreezing(model, mesh, plan):  # torch <= 2.10: every split parameter replaced, requires_grad True
+        for name in plan:
+            module = model.get_submodule(name)
+            for key, param in list(module.named_parameters(recurse=False)):
+                setattr(module, key, torch.nn.Parameter(param.detach().clone()))
+        return model
+
+    monkeypatch.setattr(tp, "parallelize_module", unfreezing)
+    model = mlp()
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    model = tp.parallelize_keeping_frozen(model, None, {"fc1": None, "fc2.linear": None})
+    assert (
+        {n for n, p in model.named_parameters() if not p.requires_grad}
+        == frozen
+        == {"fc1.weight", "norm.weight", "norm.bias"}
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs (NCCL; one rank per GPU)")
 def test_on_gpus_matches_single_and_bf16_runs(single_train, tmp_path):

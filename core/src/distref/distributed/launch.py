@@ -4,6 +4,7 @@ launcher (torch.distributed.run), as torchrun would; each rank reads its place f
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -49,7 +50,8 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
         # Seconds between SIGTERM and SIGKILL when the job is stopped (torchrun's default 30): a hung
         # rank never acts on SIGTERM. Every write here is atomic, so a shorter wait loses nothing.
         # torch 2.13 honours it on a signal (Ctrl-C), not yet after a rank failed (pytorch #192815).
-        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
+        # torchrun gained the option in torch 2.12: on an older one the default applies.
+        *only_known(get_args_parser(), f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"),
     ]
     print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
     # The ranks' records count start-up from this process's start, not their own (distref.record.run_start);
@@ -67,6 +69,12 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
         for name, value in previous.items():
             restore_environment(name, value)
     sys.exit(0)
+
+
+def only_known(torchrun_parser: argparse.ArgumentParser, *options: str) -> list[str]:
+    """Those of `options` this torch's torchrun has: its own parser is asked (options come and go with
+    torch's versions; their numbers say nothing certain)."""
+    return [o for o in options if not torchrun_parser.parse_known_args([o, "train.py"])[1]]
 
 
 def restore_environment(name: str, value: str | None) -> None:

@@ -240,9 +240,36 @@ def one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+PLANNER_TORCH = "2.11"  # the oldest torch the planner runs on (ci/torch_floor.toml)
+
+
+def torch_too_old() -> str | None:
+    """Why this torch cannot plan, or None. The planner builds each impl's pipeline schedules and reads
+    their actions as letters ("F", "B", "W": torch 2.11's pipelining), and clears DTensor's sharding
+    caches between simulated layouts (2.11's debug function); the impls' training needs less (their
+    pyproject.toml). torch itself is asked, not its version number."""
+    try:
+        from torch.distributed.pipelining.schedules import _ComputationType
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # noqa: F401
+
+        _ComputationType("F")
+    except (ImportError, ValueError):
+        import torch
+
+        return (
+            f"the planner needs torch {PLANNER_TORCH} or later (its pipeline schedules and DTensor); "
+            f"this is {torch.__version__}"
+        )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m distref.plan: the plan (or --validate's comparison) on stdout; 2 and one line on bad input."""
+    """python -m distref.plan: the plan (or --validate's comparison) on stdout; 2 and one line on bad input,
+    1 and one line on a torch too old to plan with."""
     args = parse_args(argv)
+    if (problem := torch_too_old()) is not None:
+        print(f"python -m distref.plan: error: {problem}", file=sys.stderr)
+        return 1
     try:
         return planned(args)
     except PlanError as e:

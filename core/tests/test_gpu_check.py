@@ -1,0 +1,146 @@
+"""ci/gpu_check.py, the one command that checks a GPU machine: what it plans for 1 and 2 GPUs (a faked
+count: CI has none), that it stops starting jobs when its time is spent, how it reads what ran, and the
+same plan rehearsed on CPU (gloo), end to end, for a few of its jobs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "ci" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # (its dataclass looks itself up there)
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("gpu_check", None)
+
+
+def names(jobs) -> list[str]:
+    return [job.name for job in jobs]
+
+
+def test_one_gpu_runs_what_fits_and_says_what_needs_two(gpu_check, tmp_path):
+    jobs, not_run = gpu_check.plan_jobs(gpus=1, device="cuda", out=tmp_path, steps=40)
+    skipped = dict(not_run)
+    for impl in ("pipeline", "model_parallel", "tensor_parallel"):
+        assert skipped[f"{impl}-gpu"] == "needs 2 GPUs, 1 visible"
+        assert f"{impl}-gpu" not in names(jobs)
+    sessions = [j.name for j in jobs if j.group == "session"]
+    assert sessions == ["dataparallel-gpu", "ddp-gpu", "deepspeed_zero-gpu", "fsdp-gpu", "single-gpu"]
+    world_one = {j.name: j for j in jobs if j.group == "world 1"}
+    impls = ["single", "ddp", "deepspeed_zero", "fsdp", "model_parallel", "tensor_parallel"]
+    assert sorted(world_one) == sorted(f"{i} ×1 gpt {p}" for i in impls for p in ("fp32", "bf16"))
+    # model_parallel as one process with both parts on the one GPU; the others as one rank
+    assert "--devices" in (argv := world_one["model_parallel ×1 gpt fp32"].argv) and "cuda:0,cuda:0" in argv
+    assert world_one["ddp ×1 gpt bf16"].argv[2:4] == ["--nproc-per-node", "1"]
+    assert "--precision" in argv and argv[argv.index("--precision") + 1] == "fp32"
+    # the gpu tests run first and alone; the bf16 runs (the speed table) alone
+    assert jobs[0].name == "gpu tests" and jobs[0].alone and jobs[0].env == {"DISTREF_GPU_TESTS": "1"}
+    assert all(f in jobs[0].argv for f in ("impls/ddp/tests/test_ddp.py", "impls/fsdp/tests/test_fsdp.py"))
+    assert {j.name for j in jobs if j.alone} == {"gpu tests"} | {n for n in world_one if n.endswith("bf16")}
+    assert {"ddp ×1 fp16", "ddp ×1 activation-checkpointing", "ddp ×1 profiler"} <= set(names(jobs))
+
+
+def test_two_gpus_run_every_session(gpu_check, tmp_path):
+    jobs, not_run = gpu_check.plan_jobs(gpus=2, device="cuda", out=tmp_path, steps=40)
+    sessions = [j.name for j in jobs if j.group == "session"]
+    assert sessions == [f"{impl}-gpu" for impl in gpu_check.IMPLS]
+    assert not [name for name, _ in not_run if name.endswith("-gpu")]
+    # a session's record lands in the check's folder
+    ddp = next(j for j in jobs if j.name == "ddp-gpu")
+    assert ddp.argv[-4:] == [
+        "--out",
+        str(tmp_path / "sessions" / "ddp"),
+        "--save-final",
+        str(ddp.out / "final.pt"),
+    ]
+
+
+def test_no_job_starts_after_the_budget_and_the_exit_code_says_what_failed(gpu_check, tmp_path):
+    ok = gpu_check.Job("ok", "feature", [sys.executable, "-c", "print('fine')"])
+    bad = gpu_check.Job("bad", "feature", [sys.executable, "-c", "import sys; sys.exit('one line why')"])
+    late = gpu_check.Job("late", "world 1", [sys.executable, "-c", "pass"], alone=True)
+    gpu_check.run_all([ok, bad, late], {"PATH": "/usr/bin"}, tmp_path, budget_s=1e-9, parallel=2)
+    assert [j.status for j in (ok, bad, late)] == ["not run"] * 3
+    assert "budget" in late.why
+    for job in (ok, bad, late):
+        job.status = "not run"
+    gpu_check.run_all([ok, bad], {"PATH": "/usr/bin"}, tmp_path, budget_s=60, parallel=2)
+    assert (ok.status, bad.status) == ("passed", "failed")
+    assert bad.why == "exit code 1: one line why"
+
+
+def test_the_table_reads_each_record_and_the_gpu_tests_junit(gpu_check, tmp_path):
+    steps = [{"step": i, "loss": 1.0, "step_time_s": t} for i, t in enumerate([9, 9, 9, 0.010, 0.012, 0.011])]
+    record = {
+        "world_size": 1,
+        "final_accuracy": 0.9899,
+        "target_accuracy": 0.985,
+        "time_to_target_s": 3.4,
+        "steps": steps,
+        "model_state_bytes": [{"parameters": 8, "gradients": 8, "optimizer": 16}],
+        "model_state_bytes_predicted": [{"parameters": 8, "gradients": 8, "optimizer": 16}],
+        "activation_bytes": {"measured": [17_567_940], "predicted": [17_502_340]},
+        "communication": {"measured": [{}], "predicted": [{}]},
+    }
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "record.json").write_text(json.dumps(record))
+    job = gpu_check.Job("ddp ×1 gpt fp32", "world 1", ["x"], tmp_path / "run", status="passed", seconds=14.3)
+    (row,) = gpu_check.result_rows([job])
+    assert row[:6] == ["ddp ×1 gpt fp32", "passed", "14.3", "1", "0.9899 (target reached)", "11.0"]
+    assert row[6:8] == ["exact", "exact"] and row[8].startswith("**differs**") and "+64.1 KiB" in row[8]
+    (tmp_path / "gpu-tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="impls.ddp.tests.test_ddp" name="test_nccl"/>'
+        '<testcase classname="x.test_fsdp" name="test_two"><skipped message="needs 2 GPUs, 1 visible"/>'
+        '</testcase><testcase classname="x.test_tp" name="test_bad"><failure message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    summary = gpu_check.gpu_test_summary(tmp_path)
+    assert summary.splitlines()[0] == "1 passed, 1 failed, 1 skipped"
+    assert "- skipped: test_fsdp::test_two: needs 2 GPUs, 1 visible" in summary
+    assert "- failed: test_tp::test_bad" in summary
+
+
+@pytest.mark.slow
+def test_rehearsed_on_cpu_it_runs_records_and_compares_with_single(gpu_check, tmp_path):
+    """--device cpu: the plan's own commands, on gloo, for single and ddp ×1 (fp32) and the profiler."""
+    out = tmp_path / "check"
+    only = ["--only", "single ×1 gpt fp32", "--only", "ddp ×1 gpt fp32", "--only", "ddp ×1 profiler"]
+    code = gpu_check.main(["--device", "cpu", "--steps", "3", "--out", str(out), *only])
+    text = (out / "gpu-check.md").read_text()
+    assert code == 0, text
+    for name in ("single ×1 gpt fp32", "ddp ×1 gpt fp32", "ddp ×1 profiler"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
+        assert "| passed |" in row and row.endswith("| exact | exact | exact |"), row
+    assert "- gpu tests: they need CUDA" in text and "- fsdp ×1 gpt fp32: left out by --only" in text
+    # parity: ddp ×1 sums what single sums, in the same order
+    parity = text.split("parity with single")[1]
+    assert "| ddp ×1 (no parallelism) |" in parity and "0.0e+00" in parity
+    assert "plan --validate` on every record (exit code 0)" in text
+    assert (out / "world1" / "fp32" / "ddp" / "record.json").exists()
+
+
+def test_a_job_whose_modules_do_not_import_is_listed_not_run(gpu_check, tmp_path):
+    """Without the bundle (no nox, no deepspeed): the sessions and deepspeed's runs are listed with why,
+    the rest run."""
+    jobs, _ = gpu_check.plan_jobs(gpus=1, device="cuda", out=tmp_path, steps=40)
+    kept, not_run = gpu_check.runnable(jobs, {"nox", "deepspeed"})
+    why = dict(not_run)
+    assert why["ddp-gpu"] == "nox not importable here: give --bundle (docs/gpu.md)"
+    assert why["deepspeed_zero ×1 gpt bf16"] == "deepspeed not importable here: give --bundle (docs/gpu.md)"
+    assert why["deepspeed_zero-gpu"].startswith("deepspeed, nox not importable")
+    assert {j.name for j in kept} >= {"gpu tests", "ddp ×1 gpt fp32", "single ×1 gpt bf16"}
+    assert not {j.group for j in kept} & {"session"}
+    assert gpu_check.missing_modules({"json", "no_such_module_here"}, dict(os.environ)) == {
+        "no_such_module_here"
+    }
