@@ -20,6 +20,7 @@ ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "core" / "src"))  # distref.config needs no torch at import
 from distref import impl_dependencies  # noqa: E402
 from distref.config import with_defaults  # noqa: E402
+from distref.impl_folders import gpu_test_files  # noqa: E402
 
 CONSTRAINTS = os.environ.get("DISTREF_CONSTRAINTS", str(ROOT / "ci" / "constraints.txt"))
 DATA_ROOT = os.environ.get("DISTREF_DATA", str(ROOT / "data"))
@@ -293,7 +294,10 @@ def slurm(session: nox.Session) -> None:
 def run_gpu_tests(session: nox.Session) -> None:
     """pytest -m gpu with the GPUs visible (DISTREF_GPU_TESTS=1), one test at a time: each takes the GPUs
     it needs, and two at once would share them."""
-    session.run("pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider", env={"DISTREF_GPU_TESTS": "1"})
+    files = [str(f) for f in gpu_test_files(ROOT)]  # (only these collected: nothing else need import)
+    session.run(
+        "pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider", *files, env={"DISTREF_GPU_TESTS": "1"}
+    )
 
 
 @nox.session(name="gpu-check", venv_backend="none")

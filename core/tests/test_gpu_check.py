@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,8 @@ def test_the_table_reads_each_record_and_the_gpu_tests_junit(gpu_check, tmp_path
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "record.json").write_text(json.dumps(record))
     job = gpu_check.Job("ddp ×1 gpt fp32", "world 1", ["x"], tmp_path / "run", status="passed", seconds=14.3)
+    assert gpu_check.result_rows([job])[0][3] == "—"  # (a job that did not run: an older record not read)
+    job.log = tmp_path / "ran.log"
     (row,) = gpu_check.result_rows([job])
     assert row[:6] == ["ddp ×1 gpt fp32", "passed", "14.3", "1", "0.9899 (target reached)", "11.0"]
     assert row[6:8] == ["exact", "exact"] and row[8].startswith("**differs**") and "+64.1 KiB" in row[8]
@@ -144,3 +147,50 @@ def test_a_job_whose_modules_do_not_import_is_listed_not_run(gpu_check, tmp_path
     assert gpu_check.missing_modules({"json", "no_such_module_here"}, dict(os.environ)) == {
         "no_such_module_here"
     }
+
+
+def test_a_hung_job_is_stopped_with_every_process_it_started(gpu_check, tmp_path, monkeypatch):
+    """A hung NCCL run is the usual GPU failure: stopped after its own limit (not the budget), its whole
+    tree with it (torchrun's ranks would hold the GPU for the jobs after)."""
+    monkeypatch.setattr(gpu_check, "DEFAULT_JOB_LIMIT_S", 2.0)
+    pid_file = tmp_path / "grandchild.pid"
+    hang = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    job = gpu_check.Job("hung", "world 1", [sys.executable, "-c", hang])
+    gpu_check.run_job(job, dict(os.environ), tmp_path, deadline=time.monotonic() + 600)
+    assert job.status == "failed" and job.why.startswith("stopped after 2 s") and job.seconds < 30
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{grandchild}").exists():
+        if Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z":
+            break  # (a zombie: ended, waiting for its parent, itself gone, to be reaped)
+        time.sleep(0.1)
+    alive = Path(f"/proc/{grandchild}/stat")
+    assert not alive.exists() or alive.read_text().split()[2] == "Z"
+
+
+def test_a_run_that_exits_0_without_a_completed_record_failed(gpu_check, tmp_path):
+    """A session that skipped exits 0 too: passed needs the run's record, completed."""
+    out = tmp_path / "run"
+    silent = gpu_check.Job("silent", "session", [sys.executable, "-c", "print('skipped')"], out)
+    gpu_check.run_job(silent, dict(os.environ), tmp_path, deadline=time.monotonic() + 60)
+    assert silent.status == "failed" and silent.why == f"exit code 0 but no record in {out}: skipped"
+    write = f"import json, os; os.makedirs({str(out)!r}); json.dump({{'status': 'failed', 'error': 'nan'}}, open({str(out / 'record.json')!r}, 'w'))"
+    failed = gpu_check.Job("failed", "session", [sys.executable, "-c", write], out)
+    gpu_check.run_job(failed, dict(os.environ), tmp_path, deadline=time.monotonic() + 60)
+    assert failed.status == "failed" and failed.why == "record says failed: nan"
+
+
+def test_an_impl_is_not_run_on_a_torch_older_than_it_declares(gpu_check, tmp_path):
+    jobs, _ = gpu_check.plan_jobs(gpus=2, device="cuda", out=tmp_path, steps=40)
+    kept, not_run = gpu_check.runnable(jobs, set(), gpu_check.version_tuple("2.11.0+cu130"))
+    assert dict(not_run) == {"pipeline-gpu": "pipeline needs torch 2.12 or later, this is 2.11"}
+    assert gpu_check.runnable(jobs, set(), (2, 12))[1] == []
+    assert "tensor_parallel-gpu" in {j.name for j in kept}
+    with pytest.raises(SystemExit):  # an --out with an older check in it: its records would be read
+        (tmp_path / "old").mkdir()
+        (tmp_path / "old" / "gpu-check.md").write_text("")
+        gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "old")])

@@ -840,6 +840,25 @@ def test_threads_per_rank_define_the_workload_on_cpu_only_and_a_failed_run_compa
     assert build_report([ran_on(single, "cpu", 1), died], tmp_path / "died-cpu").exists()
 
 
+def test_without_matplotlib_the_report_has_every_table_and_no_plot(tmp_path, monkeypatch, capsys):
+    """matplotlib is the tests' and sessions' dependency, not distref-core's: a GPU machine with no
+    registry may lack it. The report is its tables: written, said why there are no plots."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    single = made_record(tmp_path / "single", "single", 1)
+    ddp = made_record(tmp_path / "ddp", "ddp", 2)
+    report = build_report([single, ddp], tmp_path / "report")
+    assert "no plots: matplotlib is not installed" in capsys.readouterr().out
+    assert "## Throughput and scaling" in report.read_text() and "![" not in report.read_text()
+    assert not list((tmp_path / "report").glob("*.png"))
+
+
 def test_on_one_gpu_compare_runs_what_fits_and_reports_pipeline_as_not_run(tmp_path, monkeypatch, capsys):
     """`nox -s compare-gpu` on one GPU (faked: the runs themselves train on this CPU): ddp runs at world size
     1, pipeline is listed as not run with why, on stdout and in the report, and compare exits 0. With

@@ -78,3 +78,21 @@ def test_the_shim_without_torchvision_has_nothing_to_do_and_says_so(bare_python)
     result = run_shim(python, env, "--check")
     assert result.returncode != 0 and "no torchvision" in result.stderr
     assert not calls.exists(), "the shim ran:\n" + textwrap.indent(calls.read_text(), "  ")
+
+
+def test_the_shim_leaves_a_cuda_torch_alone(bare_python):
+    """On a GPU machine (`nox --no-venv` runs the shim with the machine's torch), a torchvision that does
+    not load beside a CUDA torch is not the shim's case: one line, exit 0, nothing installed or patched."""
+    python, env, calls, on_path = bare_python
+    (on_path / "torch").mkdir()
+    (on_path / "torch" / "__init__.py").write_text(
+        "__version__ = '2.11.0+cu130'\nclass version:\n    cuda = '13.0'\n"
+    )
+    (on_path / "torchvision").mkdir()
+    (on_path / "torchvision" / "__init__.py").write_text("raise ImportError('operator torchvision::nms')\n")
+
+    result = run_shim(python, env)
+    said = result.stderr.strip().splitlines()
+    assert result.returncode == 0 and len(said) == 1, result.stderr
+    assert "torch 2.11.0+cu130 is a CUDA build" in said[0]
+    assert not calls.exists(), "the shim ran:\n" + textwrap.indent(calls.read_text(), "  ")

@@ -51,3 +51,13 @@ def parse_as(train: Path, args: Sequence[str], ranks: int) -> RunConfig:
 def validate(train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:
     """Parse `args` as the impl's train.py would (its own options and checks included); exit 2 if bad."""
     return parse_as(train, args, world_size if distributed else 1)
+
+
+def gpu_test_files(root: Path) -> list[Path]:
+    """The test files (core's and each impl's) holding tests marked `gpu`: `pytest -m gpu` given only
+    these collects only what they import (a GPU machine without a registry may lack the rest's
+    dependencies, torchvision among them)."""
+    files = sorted(
+        [*(root / "core" / "tests").glob("test_*.py"), *(root / "impls").glob("*/tests/test_*.py")]
+    )
+    return [f for f in files if "mark.gpu" in f.read_text()]

@@ -14,6 +14,7 @@ compared side by side. `--allow-mixed` builds the report anyway, with the differ
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -988,8 +989,13 @@ def build_report(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     completed = [r for r in runs if r.ok]
+    # The tables are the report; the plots need matplotlib (a dependency of the tests and the nox
+    # sessions, not of distref-core: a GPU machine without a registry may lack it).
+    plotted = completed if importlib.util.find_spec("matplotlib") is not None else []
+    if completed and not plotted:
+        print("distref.report: no plots: matplotlib is not installed (the tables are all there)")
     plots = {}
-    if completed:
+    if plotted:
         plots = {
             "Loss vs step": plot_loss(completed, out, "step"),
             "Loss vs wall time": plot_loss(completed, out, "time"),
@@ -999,11 +1005,11 @@ def build_report(
         }
     # Plots of a section, shown under its table and note.
     section_plots: dict[str, list[tuple[str, str]]] = {COST_TITLE: [], PIPELINE_TITLE: []}
-    if completed and (name := plot_communication(completed, out)):
+    if plotted and (name := plot_communication(plotted, out)):
         section_plots[COST_TITLE].append(("Communication per step by strategy", name))
-    if any(r.record.get("bubble_fraction") is not None for r in completed):
-        section_plots[PIPELINE_TITLE].append(("Pipeline bubble", plot_bars(completed, out, "bubble")))
-    timelines = [r for r in completed if any((r.record.get("strategy") or {}).get("timeline") or [])]
+    if any(r.record.get("bubble_fraction") is not None for r in plotted):
+        section_plots[PIPELINE_TITLE].append(("Pipeline bubble", plot_bars(plotted, out, "bubble")))
+    timelines = [r for r in plotted if any((r.record.get("strategy") or {}).get("timeline") or [])]
     for n, run in enumerate(timelines, start=1):
         name = plot_timeline(run, out, f"pipeline_timeline_{n}.png")
         section_plots[PIPELINE_TITLE].append((f"Pipeline timeline: {run.label} ({run.path.name})", name))
