@@ -18,7 +18,7 @@ import nox
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "core" / "src"))  # distref.config needs no torch at import
-from distref import impl_dependencies  # noqa: E402
+from distref import declared_torch, impl_dependencies  # noqa: E402
 from distref.config import with_defaults  # noqa: E402
 from distref.impl_folders import gpu_test_files  # noqa: E402
 
@@ -314,7 +314,7 @@ def torch_floor(session: nox.Session) -> None:
     if len(session.posargs) != 1 or session.posargs[0] not in IMPLS:
         session.error(f"give one impl: nox -s torch-floor -- IMPL (one of {', '.join(IMPLS)})")
     impl = session.posargs[0]
-    floor = next(d for d in impl_dependencies(ROOT / "impls" / impl) if d.startswith("torch>="))[7:]
+    floor = declared_torch(ROOT / "impls" / impl)
     # The constraints file pins the newest torch: this venv pins the floor instead, the rest as pinned.
     pins = [line for line in Path(CONSTRAINTS).read_text().splitlines() if not line.startswith("torch")]
     constraints = Path(session.create_tmp()) / "floor-constraints.txt"

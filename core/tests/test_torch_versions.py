@@ -87,15 +87,6 @@ def version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
 
-def declared_torch(pyproject) -> str:
-    """The X of the package's `torch>=X`."""
-    import tomllib
-
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    (torch_dep,) = [d for d in deps if d.replace(" ", "").startswith("torch>=")]
-    return torch_dep.replace(" ", "")[len("torch>=") :]
-
-
 def oldest_torch_for(files, apis, floor: str = "2.0") -> tuple[str, list[str]]:
     """The newest `first` of the APIs the files use (at least `floor`), and which decide it."""
     text = "\n".join(f.read_text() for f in files)
@@ -110,6 +101,7 @@ def test_each_package_declares_the_oldest_torch_its_code_runs_on():
     impl's own files and core's training path, which it imports. The planner's files apart: it checks."""
     import tomllib
 
+    from distref import declared_torch
     from distref.plan.cli import PLANNER_TORCH
 
     apis = tomllib.loads((ROOT / "ci" / "torch_floor.toml").read_text())["api"]
@@ -117,8 +109,8 @@ def test_each_package_declares_the_oldest_torch_its_code_runs_on():
     planner = [*(src / "plan").rglob("*.py"), src / "simulate.py"]
     training = [f for f in src.rglob("*.py") if f not in planner]
     core_floor, why = oldest_torch_for(training, apis)
-    assert declared_torch(ROOT / "core" / "pyproject.toml") == core_floor, why
+    assert declared_torch(ROOT / "core") == core_floor, why
     assert oldest_torch_for(planner, apis, core_floor)[0] == PLANNER_TORCH
     for impl in sorted(p.parent for p in (ROOT / "impls").glob("*/train.py")):
         needed, why = oldest_torch_for(impl.glob("*.py"), apis, core_floor)
-        assert declared_torch(impl / "pyproject.toml") == needed, f"{impl.name}: {needed} for {why}"
+        assert declared_torch(impl) == needed, f"{impl.name}: {needed} for {why}"

@@ -48,6 +48,16 @@ def run_shim(python: Path, env: dict, *args: str) -> subprocess.CompletedProcess
     )
 
 
+def stand_in(on_path: Path, package: str, source: str) -> None:
+    """A package of one __init__.py, first on the interpreter's path."""
+    (on_path / package).mkdir()
+    (on_path / package / "__init__.py").write_text(source)
+
+
+def assert_nothing_ran(calls: Path) -> None:
+    assert not calls.exists(), "the shim ran:\n" + textwrap.indent(calls.read_text(), "  ")
+
+
 def test_the_shim_without_torch_says_so_in_one_line_and_changes_nothing(bare_python):
     python, env, calls, _ = bare_python
     venv = python.parents[1]
@@ -59,7 +69,7 @@ def test_the_shim_without_torch_says_so_in_one_line_and_changes_nothing(bare_pyt
     assert result.returncode != 0
     assert len(said) == 1 and re.search(r"\btorch\b", said[0]), result.stderr
     assert "no importable torch" in said[0] and str(python) in said[0]
-    assert not calls.exists(), "the shim ran:\n" + textwrap.indent(calls.read_text(), "  ")
+    assert_nothing_ran(calls)
     assert tree_state(venv) == before
 
 
@@ -67,8 +77,7 @@ def test_the_shim_without_torchvision_has_nothing_to_do_and_says_so(bare_python)
     """torchvision is optional (core's `vision` extra): with torch but none, nothing to patch, exit 0; with
     --check (does torchvision load?) the answer is no."""
     python, env, calls, on_path = bare_python
-    (on_path / "torch").mkdir()
-    (on_path / "torch" / "__init__.py").write_text("__version__ = '2.99.0+stand-in'\n")
+    stand_in(on_path, "torch", "__version__ = '2.99.0+stand-in'\n")
 
     result = run_shim(python, env)
     said = result.stderr.strip().splitlines()
@@ -77,22 +86,18 @@ def test_the_shim_without_torchvision_has_nothing_to_do_and_says_so(bare_python)
 
     result = run_shim(python, env, "--check")
     assert result.returncode != 0 and "no torchvision" in result.stderr
-    assert not calls.exists(), "the shim ran:\n" + textwrap.indent(calls.read_text(), "  ")
+    assert_nothing_ran(calls)
 
 
 def test_the_shim_leaves_a_cuda_torch_alone(bare_python):
     """On a GPU machine (`nox --no-venv` runs the shim with the machine's torch), a torchvision that does
     not load beside a CUDA torch is not the shim's case: one line, exit 0, nothing installed or patched."""
     python, env, calls, on_path = bare_python
-    (on_path / "torch").mkdir()
-    (on_path / "torch" / "__init__.py").write_text(
-        "__version__ = '2.11.0+cu130'\nclass version:\n    cuda = '13.0'\n"
-    )
-    (on_path / "torchvision").mkdir()
-    (on_path / "torchvision" / "__init__.py").write_text("raise ImportError('operator torchvision::nms')\n")
+    stand_in(on_path, "torch", "__version__ = '2.11.0+cu130'\nclass version:\n    cuda = '13.0'\n")
+    stand_in(on_path, "torchvision", "raise ImportError('operator torchvision::nms')\n")
 
     result = run_shim(python, env)
     said = result.stderr.strip().splitlines()
     assert result.returncode == 0 and len(said) == 1, result.stderr
     assert "torch 2.11.0+cu130 is a CUDA build" in said[0]
-    assert not calls.exists(), "the shim ran:\n" + textwrap.indent(calls.read_text(), "  ")
+    assert_nothing_ran(calls)

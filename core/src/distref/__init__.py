@@ -16,6 +16,15 @@ def impl_dependencies(impl_dir: str | Path) -> list[str]:
     return [d for d in deps if not d.startswith("distref")]
 
 
+def declared_torch(impl_dir: str | Path) -> str:
+    """The oldest torch a package declares: the X of its pyproject.toml's `torch>=X` (docs/environment.md,
+    "Which torch")."""
+    with open(Path(impl_dir) / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (torch_dep,) = [d.replace(" ", "") for d in deps if d.replace(" ", "").startswith("torch>=")]
+    return torch_dep[len("torch>=") :]
+
+
 def impl_version(train_file: str | Path) -> str:
     """The version of the impl whose train.py is `train_file`: its pyproject.toml's project.version."""
     pyproject = Path(train_file).resolve().parent / "pyproject.toml"

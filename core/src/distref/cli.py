@@ -328,6 +328,10 @@ def torchvision_problem() -> str | None:
     return None
 
 
+# How gpus_problem says that only the GPUs are short (distref.compare reads it: "needs N GPUs").
+RANKS_NEED_A_GPU_EACH = "ranks on this machine need a CUDA device each"
+
+
 def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
     """On CUDA each rank on this machine takes a GPU of its own (its LOCAL_RANK): more ranks here than
     visible GPUs would fail in the rank whose set_device has no device, after the others started."""
@@ -347,7 +351,7 @@ def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
         return None  # srun bound each task to a GPU of its own (--gpus-per-task, --gpu-bind): cuda:0
     if local_ranks > gpus:
         return (
-            f"{local_ranks} ranks on this machine need a CUDA device each, and {gpus} are visible: "
+            f"{local_ranks} {RANKS_NEED_A_GPU_EACH}, and {gpus} are visible: "
             f"start at most {gpus} (--nproc-per-node), or run on CPU (--device cpu)"
         )
     return None

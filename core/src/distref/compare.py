@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distref import impl_version
+from distref.cli import RANKS_NEED_A_GPU_EACH
 from distref.config import OneLineErrorParser, uses_cuda, with_defaults
 from distref.impl_folders import discover, validate
 from distref.parity import SHORT_STEPS, exact_parity
@@ -116,7 +117,7 @@ def short_of_gpus(problem: str | None) -> bool:
     """Whether `problem` (an impl's refusal of a count of ranks above the GPUs) is only the GPUs: None (no
     CUDA in the check, as in a test) or distref.cli.gpus_problem's "N ranks on this machine need a CUDA
     device each", which parse_config says once the workload itself fits."""
-    return problem is None or "ranks on this machine need a CUDA device each" in problem
+    return problem is None or RANKS_NEED_A_GPU_EACH in problem
 
 
 def why_not_run(impl: str, world: int, gpus: int, problem_at: Callable[[str, int], str | None]) -> str:

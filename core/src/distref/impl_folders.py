@@ -23,6 +23,7 @@ def discover(impls_dir: Path) -> dict[str, dict]:
             "train": train,
             "launcher": settings.get("launcher", "python"),
             "models": settings.get("models"),  # None: every model; else the only ones it trains
+            "min_gpus": settings.get("min_gpus", 1),  # its -gpu session's: one per part or rank
         }
     return found
 
