@@ -569,8 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", action="append", default=[], help="run only jobs whose name contains this")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.parallel < 1 or args.budget_s <= 0:
-        parser.error("--steps and --parallel must be >= 1, --budget-s > 0")
+    if args.steps < 1 or args.parallel < 1 or not 0 < args.budget_s < float("inf"):
+        parser.error("--steps and --parallel must be >= 1, --budget-s a number of seconds > 0")
+    names = [job.name for job in plan_jobs(8, args.device, ROOT / "runs", 1)[0]]  # (a plan: nothing runs)
+    if unmatched := [o for o in args.only if not any(o in name for name in names)]:
+        parser.error(f"--only {unmatched[0]!r} matches no job; the jobs: {', '.join(names)}")
     out = (
         args.out or ROOT / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     ).resolve()

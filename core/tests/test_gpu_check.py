@@ -194,3 +194,20 @@ def test_an_impl_is_not_run_on_a_torch_older_than_it_declares(gpu_check, tmp_pat
         (tmp_path / "old").mkdir()
         (tmp_path / "old" / "gpu-check.md").write_text("")
         gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "old")])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--only", "nomatch"], "--only 'nomatch' matches no job; the jobs: dataparallel-cpu, ddp-cpu"),
+        (["--budget-s", "nan"], "--budget-s a number of seconds > 0"),
+        (["--budget-s", "inf"], "--budget-s a number of seconds > 0"),
+        (["--steps", "0"], "--steps and --parallel must be >= 1"),
+    ],
+)
+def test_bad_values_are_one_line_and_nothing_is_written(gpu_check, tmp_path, capsys, argv, said):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "check"), *argv])
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "check").exists()

@@ -244,3 +244,22 @@ def test_rendezvous_port_is_free_below_the_ephemeral_range_and_apart_by_job(tmp_
     ).stdout
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert 1024 <= int(printed) < low
+
+
+@pytest.mark.parametrize("job_id", ["abc", "-5", ""])
+def test_rendezvous_port_of_a_bad_job_id_is_one_line(job_id):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "distref.schedulers", "port"],
+        env={**os.environ, "SLURM_JOB_ID": job_id},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"python -m distref.schedulers port: error: SLURM_JOB_ID={job_id!r} from the launcher: not a "
+        "non-negative integer"
+    ]

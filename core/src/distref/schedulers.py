@@ -187,4 +187,7 @@ def scheduler_info() -> dict[str, str | int | None] | None:
 if __name__ == "__main__":  # `python -m distref.schedulers port`: the sbatch scripts' rendezvous port
     if sys.argv[1:] != ["port"]:
         sys.exit("usage: python -m distref.schedulers port")
-    print(rendezvous_port(number("SLURM_JOB_ID", default="0")))
+    try:
+        print(rendezvous_port(number("SLURM_JOB_ID", default="0")))
+    except SchedulerError as exc:
+        sys.exit(f"python -m distref.schedulers port: error: {exc}")
