@@ -106,3 +106,61 @@ def test_zero_state_bytes_count_each_storage_once_by_kind():
     engine = type("Engine", (), {"module": module, "optimizer": ZeroOptimizer()})()
     held = zero_model_state_bytes(engine, optimizer)
     assert held == {"parameters": 64, "gradients": 64 + 32, "optimizer": 64 + 64}
+
+
+def test_the_stage_meter_measures_from_the_second_step_what_its_stages_do():
+    """distref.distributed.stages.StageMeter (impls/pipeline's measurement): the activations held and the
+    timeline are the second step's (the first pays for warm-up), a wrapped stage's work is timed and put
+    on the timeline with its micro-batch, and its parameters are not counted as activations."""
+    from distref.distributed.stages import StageMeter
+
+    class Stage:  # what the meter wraps of a PipelineStage
+        stage_index = 3
+
+        def __init__(self):
+            self.submod = torch.nn.Linear(4, 4)
+
+        def forward_one_chunk(self, chunk, x):
+            return (self.submod(x) * x).sum()  # saves x twice (one storage) and the weight (a parameter)
+
+        def backward_one_chunk(self, chunk, loss=None, full_backward=True, last_backward=False):
+            return None
+
+        def backward_weight_one_chunk(self, chunk, *args, **kwargs):
+            return None
+
+    meter = StageMeter(torch.device("cpu"))
+    stage = meter.wrap(Stage())
+    for step, size in ((0, 1000), (1, 10)):  # the first step holds far more than the second
+        with meter.step(step):
+            x = torch.ones(size, 4, requires_grad=True)
+            loss = stage.forward_one_chunk(step + 5, x)
+            stage.backward_one_chunk(step + 5, full_backward=False)
+        del loss, x
+    measured = meter.gathered(world_size=1)
+    assert measured["peak_activation_bytes"] == [10 * 4 * 4 + 10 * 4 * 4]  # x, and the Linear's output
+    [timeline] = measured["timeline"]
+    assert timeline["step"] == 1 and [w[:3] for w in timeline["work"]] == [["F", 3, 6], ["I", 3, 6]]
+    assert 0 < measured["busy_fraction"][0] <= 1
+    assert measured["bubble_fraction"] == 1 - measured["busy_fraction"][0]
+
+
+def test_handoff_meter_keeps_the_first_step_s_bytes_and_times_steps_outside_the_counted_one(monkeypatch):
+    """impls/model_parallel's measurement (distref.distributed.handoffs): the bytes its first step sent, and
+    the share of its steps' time not spent waiting; the counted step (slower) is timed neither way."""
+    from distref.distributed.handoffs import HandoffMeter
+    from distref.training.traffic import TRAFFIC
+
+    monkeypatch.setattr(TRAFFIC, "counted_step", 2)
+    meter = HandoffMeter()
+    assert meter.gathered(world_size=1) == {"bytes_sent_per_step": [None], "busy_fraction": [None]}
+    meter.sent(100)
+    with meter.waiting():
+        time.sleep(0.01)
+    meter.step_done(0, 10.0)
+    meter.sent(100)  # the second step's, and an evaluation's: not the first step's
+    meter.step_done(1, 10.0)
+    meter.step_done(2, 1000.0)  # the counted step
+    facts = meter.gathered(world_size=1)
+    assert facts["bytes_sent_per_step"] == [100]
+    assert 0.9 < facts["busy_fraction"][0] < 1 - 0.009 / 20

@@ -12,7 +12,7 @@ import torch
 
 from distref.cost import Predicted
 from distref.cost.memory import replicated
-from distref.cost.usage import ParameterUse, model_usage
+from distref.cost.usage import ParameterUse, model_usage, parameters_by_block, parameters_of
 from distref.cost.zero import bucket_all_reduces, stage0_all_reduces, zero_communication, zero_model_states
 from distref.data import DatasetInfo
 from distref.models import build_model
@@ -147,3 +147,27 @@ def test_the_record_says_why_a_prediction_is_null(single_train, tmp_path):
     assert list(record["predicted_unavailable"]) == ["activations"]
     lenet = ["--model", "lenet", "--dataset", "synthetic", "--steps", "3", "--global-batch-size", "8"]
     assert single_train.main([*lenet, "--out", str(tmp_path / "lenet")])["predicted_unavailable"] == {}
+
+
+def test_parameters_of_describes_a_model_in_plain_values_for_the_cost_functions():
+    """What each strategy's cost function takes (distref.cost.usage.parameters_of): shapes, bytes and what
+    the step does with each parameter, in model.named_parameters() order; by block, `runs` by the block."""
+    model = build_model("distref.testing.partly_trained:mlp", EXAMPLE)
+    usage = model_usage("distref.testing.partly_trained:mlp", EXAMPLE, gpt_layers=2)
+    described = parameters_of(model.named_parameters(), usage)
+    assert described.shapes[:2] == ((64, 16), (64,)) and described.bytes[:2] == [64 * 16 * 4, 64 * 4]
+    assert described.trained == usage.trained_flags(model.named_parameters())
+    assert list(described.gradient_order) == usage.gradient_indices(list(model.named_parameters()))
+    assert list(described.uses) == usage.of(model.named_parameters())
+    by_block = parameters_by_block(model, usage)
+    assert [len(block.shapes) for block in by_block] == [2, 0, 5, 2, 2]  # act1 holds none
+    assert [shape for block in by_block for shape in block.shapes] == list(described.shapes)
+    two_heads = build_model("distref.testing.partly_trained:two_heads", EXAMPLE)
+    blocks = parameters_by_block(
+        two_heads, model_usage("distref.testing.partly_trained:two_heads", EXAMPLE, 2)
+    )
+    runs = {
+        name: all(use.runs for use in block.uses)
+        for (name, _), block in zip(two_heads.named_children(), blocks, strict=True)
+    }
+    assert runs["head"] and not runs["other_head"]

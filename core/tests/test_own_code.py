@@ -494,6 +494,43 @@ def test_ddp_trains_a_model_with_an_unused_parameter_as_single_does(project, tmp
         torch.testing.assert_close(ddp[name], single[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["fsdp", "pipeline"])
+def test_a_model_with_unused_parameters_resumes_from_its_sharded_checkpoint_exactly(impl, tmp_path):
+    """A parameter no loss reaches has no gradient, so no optimizer state in a torch.distributed.checkpoint
+    folder: the resume loads the others' and creates none for it (torch's get_state_dict would, and DCP
+    then refused the checkpoint as missing it). Bit-identical to a run that never stopped, and holding the
+    same model states."""
+    from distref.testing.cost import PARTLY_TRAINED_RUN
+
+    args = [
+        *PARTLY_TRAINED_RUN[: PARTLY_TRAINED_RUN.index("--steps")],
+        "--steps",
+        "4",
+        "--global-batch-size",
+        "24",
+    ]
+
+    def run(*more: str) -> None:
+        result = run_ranks(2, str(train_path(impl)), [*args, "--timeout", "60", *more], timeout=180)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    run("--out", str(tmp_path / "whole"), "--save-final", str(tmp_path / "whole.pt"))
+    run(
+        "--out",
+        str(tmp_path / "first"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "2",
+    )
+    step_2 = str(tmp_path / "ckpt" / "step-00000002.pt")
+    run("--out", str(tmp_path / "resumed"), "--resume", step_2, "--save-final", str(tmp_path / "resumed.pt"))
+    whole, resumed = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("whole", "resumed"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    records = [json.loads((tmp_path / n / "record.json").read_text()) for n in ("whole", "resumed")]
+    assert records[0]["model_state_bytes"] == records[1]["model_state_bytes"]
+
+
 def test_the_model_fingerprint_covers_every_value_buffers_and_zero_dim_ones_included():
     from distref.distributed.agreement import state_fingerprint
 

@@ -19,7 +19,7 @@ from distref.distributed.partition import MODEL_DATASETS, balanced_cut_points, p
 from distref.models import build_model, gpt
 from distref.plan.cli import parse_args, resolve_model
 from distref.plan.cluster import GPUS, Cluster, Training
-from distref.plan.costing import cost, cut_bounds, order_world, schedule_orders, step_flops, unit_shapes
+from distref.plan.costing import cost, cut_bounds, schedule_orders, step_flops, unit_shapes
 from distref.plan.layouts import Layout, layouts
 from distref.plan.model import MODELS, decoder, flops_measured, parameters_only, project_model
 from distref.plan.ranking import make_plan
@@ -156,21 +156,20 @@ def test_the_balanced_cut_is_the_best_and_the_earliest_of_the_best():
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "dualpipev"])
 def test_schedule_orders_are_torch_s_own(schedule):
-    """The planner builds each schedule's order without the send/recv pass torch adds for a real run:
-    the compute order is the one a fully built schedule holds (impls/pipeline's `schedule_order`)."""
+    """The planner's order of work is the one torch's schedule holds for each rank (impls/pipeline's
+    stages, distref.distributed.stages.work_order): every stage the rank holds runs each micro-batch's
+    forward once and its backward once (whole, or as input- then weight-gradient passes)."""
     orders = schedule_orders(schedule, 2, 4)
     pipeline = load_train_module("pipeline")
-    with order_world(2):
-        from torch.distributed.pipelining import PipelineStage
-
-        stages = [
-            PipelineStage(torch.nn.Linear(1, 1), i, 4, torch.device("cpu"))
-            for i in pipeline.stage_indices(schedule, 0, 2, 2)
-        ]
-        built = pipeline.SCHEDULES[schedule](stages, 4, loss_fn=lambda out, target: out.sum())
-        mesh = pipeline.PipelineMesh(2, 2, None, None, pp_rank=1, dp_rank=0, owner=[], my_stages=[])
-        options = pipeline.PipelineOptions(schedule, 4, 2, 1, None)
-        assert orders[1] == pipeline.schedule_order(built, mesh, options)
+    for rank, order in orders.items():
+        held = sorted(pipeline.stage_indices(schedule, rank, 2, 2))
+        assert sorted({stage for _, stage, _ in order}) == held
+        for stage in held:
+            for micro_batch in range(4):
+                kinds = sorted(k for k, s, m in order if (s, m) == (stage, micro_batch))
+                assert kinds in (["B", "F"], ["F", "I", "W"]), (rank, stage, micro_batch, kinds)
+                done = [k for k, s, m in order if (s, m) == (stage, micro_batch)]
+                assert done[0] == "F"  # a backward never runs before its forward
 
 
 def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):

@@ -270,6 +270,20 @@ def test_a_checkpoint_of_another_impl_or_a_final_state_is_refused(single_train, 
         assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_checkpoint_in_a_retired_format_is_refused_in_one_line(tmp_path):
+    """pipeline's index before 0.10.0 (a file per stage rank, `stage_sha256`) is named as a format this
+    version no longer reads, with what to do (not as another impl's)."""
+    cfg = parse_config(["--dataset", "synthetic", "--steps", "4"], "pipeline")
+    record = type("Record", (), {"state": lambda self: {}})()
+    old_index = tmp_path / "step-00000002.pt"
+    state = ckpt.checkpoint_state(cfg, 2, 4, record, stages_by_rank=[], stage_sha256={}, scaler={})
+    ckpt.save_checkpoint(old_index, state)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.load_checkpoint(old_index, cfg, 4, holds=("folder", "sha256", "scaler", "stages_by_rank"))
+    assert "is in a format this version no longer reads: pipeline before 0.10.0" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
 # ---- resume: what each option may do (README, "Resuming") ------------------------------------------
 
 

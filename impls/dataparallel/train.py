@@ -27,10 +27,9 @@ from torch import nn
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
-from distref.cost import Predicted
 from distref.cost.activations import no_formula, predicted_for_run
-from distref.cost.memory import replicated
-from distref.cost.usage import model_usage
+from distref.cost.memory import one_process_cost
+from distref.cost.usage import model_usage, parameters_of
 from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -208,23 +207,24 @@ def main(argv: list[str] | None = None) -> dict:
     # --- DataParallel: on several GPUs its copies between them are no process-group collectives (the
     # counter sees none) and the replicas run in threads of their own (saved-tensor hooks are per
     # thread): no formula then; on one device it is single.
-    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
     usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
-    model_states = None
-    if not usage.unknown:
-        trained = usage.trained_flags(model.module.named_parameters())  # --- DataParallel: core names
-        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
     one_device = len(gpu_ids) < 2  # --- DataParallel
-    threads = "nn.DataParallel on several GPUs: its replicas' threads and copies are not counted"
-    predicted = Predicted(
-        communication={} if one_device else None,  # --- DataParallel
-        model_states=model_states,
-        activations=predicted_for_run(cfg, info) if one_device else None,  # --- DataParallel
-        unavailable={
-            "communication": threads,  # --- DataParallel
-            "model_states": usage.unknown,
-            "activations": no_formula(cfg.model, cfg.precision) or threads,  # --- DataParallel
-        },
+    threads = (
+        None
+        if one_device
+        else "nn.DataParallel on several GPUs: its replicas' threads and copies are not counted"
+    )
+    predicted = one_process_cost(
+        parameters_of(model.module.named_parameters(), usage),  # --- DataParallel: the core model's
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        # --- DataParallel: with several GPUs neither communication nor activations have a formula
+        activations=(
+            predicted_for_run(cfg, info) if one_device else None,
+            no_formula(cfg.model, cfg.precision) or threads,
+        ),
+        communication_unavailable=threads,
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

@@ -16,7 +16,6 @@ global batch.
 Changes against impls/single/train.py are marked `# --- DDP: ... ---`.
 """
 
-import argparse
 import contextlib
 import dataclasses
 
@@ -27,16 +26,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distref import impl_version
-from distref.cli import exit_on_bad_input, parse_config
+from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
-from distref.cost import Predicted
 from distref.cost.activations import no_formula, predicted_for_run
-from distref.cost.data_parallel import ddp as ddp_communication
-from distref.cost.data_parallel import ddp_bucket_order
-from distref.cost.memory import replicated
-from distref.cost.usage import Usage, model_usage
+from distref.cost.data_parallel import ddp_rank_cost
+from distref.cost.usage import Usage, model_usage, parameters_of
 from distref.data import (
-    DatasetInfo,
     eval_batches,
     load_dataset,
     scored_targets,
@@ -83,13 +78,35 @@ VERSION = impl_version(__file__)
 # --- DDP: the strategy ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DDPOptions:
-    """DDP's own options (`add_options`, at the end of this file, gives their help and defaults)."""
+    """DDP's own options (cfg.strategy), each declared with its command-line option."""
 
-    bucket_cap_mb: float
-    static_graph: bool
-    find_unused_parameters: bool
-    grad_as_bucket_view: bool
-    comm_hook: str
+    bucket_cap_mb: float = option(
+        "gradient bucket size: bigger = fewer all-reduces, later overlap",
+        metavar="MB",
+        type=positive_float,
+        default=25.0,
+    )
+    static_graph: bool = option(
+        "promise the same used parameters every step (lets DDP skip per-step checks)",
+        action="store_true",
+        default=False,
+    )
+    find_unused_parameters: bool = option(
+        "look for parameters the loss does not reach in every backward: for a model whose graph "
+        "changes from step to step (stochastic depth, LayerDrop); one traced forward finds the others",
+        action="store_true",
+        default=False,
+    )
+    grad_as_bucket_view: bool = option(
+        "gradients are views into the all-reduce buckets (saves one gradient copy)",
+        action="store_true",
+        default=False,
+    )
+    comm_hook: str = option(
+        "compress gradients before the all-reduce",
+        choices=("none", "fp16", "bf16", "powersgd"),
+        default="none",
+    )
 
 
 def apply_ddp(
@@ -176,48 +193,6 @@ def times_world_size(hook):
         return hook(state, bucket).then(lambda fut: fut.value().mul_(dist.get_world_size()))
 
     return summed
-
-
-def ddp_cost(model: nn.Module, cfg: RunConfig, info: DatasetInfo, world_size: int, usage: Usage) -> Predicted:
-    """What a DDP rank costs by formula (distref.cost): every bucket of gradients (of the parameters that
-    require grad) all-reduced once per optimizer step (half the bytes with a bf16/fp16 hook; PowerSGD: no
-    formula), with unused parameters also DDP's map of them, the buffers broadcast before the step's first
-    forward; a full replica of the model states (gradients and optimizer state of the parameters that
-    receive a gradient); one micro-batch's activations."""
-    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    options = cfg.strategy
-    trained = usage.trained_flags(model.named_parameters())
-    in_buckets = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # DDP's
-    communication = model_states = None
-    if options.comm_hook != "powersgd" and not usage.unknown:
-        communication = ddp_communication(
-            [p.numel() * p.element_size() for _, p in in_buckets],
-            world_size,
-            bucket_cap_bytes=int(options.bucket_cap_mb * 2**20),
-            # a bf16/fp16 hook sends 2 bytes per gradient element (of 4 in fp32, of 8 in fp64)
-            compressed_element_ratio=2 / param_dtype(cfg).itemsize if options.comm_hook != "none" else 1.0,
-            buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
-            # as apply_ddp decides it: parameters the loss leaves unread, and no static graph
-            find_unused_parameters=not options.static_graph
-            and (
-                options.find_unused_parameters
-                or any(p.requires_grad and not t for p, t in zip(model.parameters(), trained, strict=True))
-            ),
-            bucket_order=ddp_bucket_order(usage.gradient_indices(in_buckets), len(in_buckets)),
-        )
-    if not usage.unknown:
-        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
-    powersgd = "--comm-hook powersgd: no formula (its low-rank factors; a plain all-reduce before step 10)"
-    return Predicted(
-        communication=communication,
-        model_states=model_states,
-        activations=predicted_for_run(cfg, info, world_size),
-        unavailable={
-            "communication": usage.unknown or powersgd,
-            "model_states": usage.unknown,
-            "activations": no_formula(cfg.model, cfg.precision),
-        },
-    )
 
 
 # --- end DDP strategy ---
@@ -341,9 +316,21 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.save_final and is_main:
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DDP: every rank's memory and model states (a full replica each), beside the formulas', and what
-    # its counted step communicated beside the formula's (ddp_cost), gathered to rank 0
-    predicted = ddp_cost(model.module, cfg, info, world_size, usage)
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
+    # its counted step communicated beside the formula's (distref.cost.data_parallel), gathered to rank 0
+    predicted = ddp_rank_cost(
+        parameters_of(model.module.named_parameters(), usage),
+        [(str(b.dtype), b.numel() * b.element_size()) for b in model.module.buffers()],
+        world_size,
+        bucket_cap_mb=cfg.strategy.bucket_cap_mb,
+        comm_hook=cfg.strategy.comm_hook,
+        find_unused_parameters=cfg.strategy.find_unused_parameters,
+        static_graph=cfg.strategy.static_graph,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        activations=(predicted_for_run(cfg, info, world_size), no_formula(cfg.model, cfg.precision)),
+    )
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- DDP: to rank 0
     if is_main:
         print_summary(record.data)
     return record.data
@@ -351,36 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 # ---- The command line: the core options (distref.cli) and DDP's own ------------------------------
 # --- DDP: its options, parsed once into DDPOptions (cfg.strategy) ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--bucket-cap-mb",
-        metavar="MB",
-        type=positive_float,
-        default=25.0,
-        help="gradient bucket size: bigger = fewer all-reduces, later overlap",
-    )
-    parser.add_argument(
-        "--static-graph",
-        action="store_true",
-        help="promise the same used parameters every step (lets DDP skip per-step checks)",
-    )
-    parser.add_argument(
-        "--find-unused-parameters",
-        action="store_true",
-        help="look for parameters the loss does not reach in every backward: for a model whose graph "
-        "changes from step to step (stochastic depth, LayerDrop); one traced forward finds the others",
-    )
-    parser.add_argument(
-        "--grad-as-bucket-view",
-        action="store_true",
-        help="gradients are views into the all-reduce buckets (saves one gradient copy)",
-    )
-    parser.add_argument(
-        "--comm-hook",
-        choices=("none", "fp16", "bf16", "powersgd"),
-        default="none",
-        help="compress gradients before the all-reduce",
-    )
+add_options = add_options_for(DDPOptions)  # DDPOptions' fields, each its --option
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:

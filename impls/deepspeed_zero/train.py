@@ -36,14 +36,12 @@ import torch
 import torch.distributed as dist  # --- ZERO ---
 
 from distref import impl_version
-from distref.cli import exit_on_bad_input, parse_config
+from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
-from distref.cost import Predicted
 from distref.cost.activations import no_formula, predicted_for_run
-from distref.cost.usage import model_usage
-from distref.cost.zero import communication_unavailable, zero_communication, zero_model_states
+from distref.cost.usage import model_usage, parameters_of
+from distref.cost.zero import zero_rank_cost
 from distref.data import (
-    DatasetInfo,
     eval_batches,
     load_dataset,
     scored_targets,
@@ -91,14 +89,38 @@ VERSION = impl_version(__file__)
 
 # --- ZERO: the strategy --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class ZeroOptions:
-    """ZeRO's own options (`add_options`, at the end of this file, gives their help and defaults)."""
+class ZeroFlags:
+    """ZeRO's own options, each declared with its command-line option (ZeroOptions adds --local_rank)."""
 
-    zero_stage: int
-    offload_optimizer: bool
-    offload_params: bool
-    bucket_mb: float
-    local_rank: int | None  # the `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used
+    zero_stage: int = option(
+        "partition nothing (0, = DDP), optimizer states (1), + gradients (2), + parameters (3)",
+        metavar="{0,1,2,3}",
+        type=int,
+        default=2,
+    )
+    offload_optimizer: bool = option(
+        "keep the optimizer states (and fp32 master weights) in CPU memory and step there (stage ≥ 1)",
+        action="store_true",
+        default=False,
+    )
+    offload_params: bool = option(
+        "keep the parameter partitions in CPU memory between uses (stage 3)",
+        action="store_true",
+        default=False,
+    )
+    bucket_mb: float = option(
+        "gradient reduce / parameter all-gather bucket size (smaller = less memory, more calls)",
+        metavar="MB",
+        type=positive_float,
+        default=50.0,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOptions(ZeroFlags):
+    """ZeRO's own options (cfg.strategy): ZeroFlags', then the hidden --local_rank (`add_options`)."""
+
+    local_rank: int | None = None  # the `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used
 
 
 def quiet_deepspeed() -> None:
@@ -256,56 +278,6 @@ def check_zero_checkpoint(index: Path, state: dict, stage: int, world_size: int)
         )
 
 
-def zero_cost(
-    model: torch.nn.Module, cfg: RunConfig, info: DatasetInfo, rank: int, world_size: int
-) -> Predicted:
-    """What a ZeRO rank costs by formula (distref.cost.zero: DeepSpeed 0.19's buckets, padding and
-    prefetch, fp32 without offload; else no formula): stage 0 all-reduces the gradients as DDP does,
-    stages 1-2 an all-reduce per gradient bucket (per partition it spans, for a gradient larger than a
-    bucket) and one all-gather of the updated flat parameters, stage 3 the parameters gathered once per
-    forward and the gradients reduce-scattered per bucket; this rank's partitions (frozen parameters stay
-    out of them at stages 0-2); one micro-batch's activations."""
-    stage, options = cfg.strategy.zero_stage, cfg.strategy
-    numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]  # stage 3: whole sizes
-    zero = deepspeed_config(cfg, world_size)["zero_optimization"]  # its bucket sizes, in elements
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
-    named = list(model.named_parameters())
-    uses = usage.of(named)  # (stage 3 gathers a parameter when its own module runs)
-    communication = model_states = None
-    if cfg.precision != "fp32":
-        no_formula_here = f"no formula for DeepSpeed in {cfg.precision} (its 16-bit copies, fp32 masters)"
-    elif options.offload_optimizer or options.offload_params:
-        no_formula_here = "no formula with offload (DeepSpeed's CPU partitions and their copies)"
-    else:
-        no_formula_here = usage.unknown
-    if not no_formula_here:
-        communication = zero_communication(
-            numels,
-            world_size,
-            stage,
-            bucket_elements=zero["reduce_bucket_size"],
-            prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
-            grad_accum=cfg.grad_accum,
-            uses=uses,
-            gradient_order=usage.gradient_indices(named),  # what its reduce buckets fill in
-        )
-        step_bytes = torch.get_default_dtype().itemsize
-        model_states = zero_model_states(
-            numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes, uses=uses
-        )
-    return Predicted(
-        communication=communication,
-        model_states=model_states,
-        activations=predicted_for_run(cfg, info, world_size),
-        unavailable={
-            "communication": no_formula_here
-            or communication_unavailable(numels, stage, zero.get("stage3_prefetch_bucket_size", 0)),
-            "model_states": no_formula_here,
-            "activations": no_formula(cfg.model, cfg.precision),
-        },
-    )
-
-
 # --- end ZERO strategy ---
 
 
@@ -434,9 +406,25 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             save_checkpoint(cfg.save_final, final)
     # --- ZERO: every rank's memory and model states (its partitions), beside the formulas', and what its
-    # counted step communicated beside the formula's (zero_cost), gathered to rank 0
-    predicted = zero_cost(model, cfg, info, rank, world_size)
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
+    # counted step communicated beside the formula's (distref.cost.zero), gathered to rank 0
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    zero = deepspeed_config(cfg, world_size)["zero_optimization"]  # its bucket sizes, in elements
+    predicted = zero_rank_cost(
+        parameters_of(model.named_parameters(), usage),  # (stage 3: their whole shapes)
+        world_size,
+        rank,
+        stage,
+        bucket_elements=zero["reduce_bucket_size"],
+        prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
+        grad_accum=cfg.grad_accum,
+        precision=cfg.precision,
+        offload=cfg.strategy.offload_optimizer or cfg.strategy.offload_params,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        activations=(predicted_for_run(cfg, info, world_size), no_formula(cfg.model, cfg.precision)),
+    )
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- ZERO: to rank 0
     if is_main:
         print_summary(record.data)
     return record.data
@@ -445,31 +433,9 @@ def main(argv: list[str] | None = None) -> dict:
 # ---- The command line: the core options (distref.cli) and ZeRO's own -----------------------------
 # --- ZERO: its options, parsed once into ZeroOptions (cfg.strategy) ---
 def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--zero-stage",
-        metavar="{0,1,2,3}",
-        type=int,
-        default=2,
-        help="partition nothing (0, = DDP), optimizer states (1), + gradients (2), + parameters (3)",
-    )
-    parser.add_argument(
-        "--offload-optimizer",
-        action="store_true",
-        help="keep the optimizer states (and fp32 master weights) in CPU memory and step there (stage ≥ 1)",
-    )
-    parser.add_argument(
-        "--offload-params",
-        action="store_true",
-        help="keep the parameter partitions in CPU memory between uses (stage 3)",
-    )
-    parser.add_argument(
-        "--bucket-mb",
-        metavar="MB",
-        type=positive_float,
-        default=50.0,
-        help="gradient reduce / parameter all-gather bucket size (smaller = less memory, more calls)",
-    )
-    # The `deepspeed` launcher passes it; torchrun's LOCAL_RANK is what is used.
+    add_options_for(ZeroFlags)(parser)  # ZeroFlags' fields, each its --option
+    # By hand: `option` would name it --local-rank (dashes), and the `deepspeed` launcher passes
+    # --local_rank (hidden: torchrun's LOCAL_RANK is what is used).
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
 
 

@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 
 import torch
-import torch.distributed as dist  # --- FSDP ---
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -34,17 +33,12 @@ from torch.distributed.fsdp import (
 )
 
 from distref import impl_version
-from distref.cli import exit_on_bad_input, parse_config
+from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, under_torchrun
-from distref.cost import Predicted
 from distref.cost.activations import no_formula, predicted_for_run
-from distref.cost.sharded import fsdp as fsdp_communication
-from distref.cost.sharded import fsdp_model_states
-from distref.cost.usage import model_usage
+from distref.cost.sharded import fsdp_rank_cost
+from distref.cost.usage import model_usage, parameters_by_block
 from distref.data import (
-    DatasetInfo,
-    TensorData,
-    eval_batches,
     load_dataset,
     scored_targets,
     steps_per_epoch,
@@ -54,12 +48,13 @@ from distref.distributed import (
     all_reduce_sum,
     check_ranks_agree,
     destroy_process_group_on_exit,
+    evaluate_gathered,
     exit_without_interpreter_teardown,
     finish_record,
     launch_ranks,
     start_process_group,
 )
-from distref.models import build_model, own_model_tied_across_blocks
+from distref.models import build_model
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
 from distref.training.checkpoint import (
@@ -84,7 +79,8 @@ from distref.training.device import (
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import evaluate, loss_sum
+from distref.training.steps import loss_sum
+from distref.your_model import own_model_tied_across_blocks
 
 IMPL = "fsdp"
 VERSION = impl_version(__file__)
@@ -93,11 +89,29 @@ VERSION = impl_version(__file__)
 # --- FSDP: the strategy --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FSDPOptions:
-    """FSDP's own options (`add_options`, at the end of this file, gives their help and defaults)."""
+    """FSDP's own options (cfg.strategy), each declared with its command-line option."""
 
-    reshard_after_forward: bool
-    cpu_offload: bool
-    hsdp: int
+    reshard_after_forward: bool = option(
+        "free each block's gathered parameters after its forward and gather them again for its "
+        "backward (ZeRO-3: least memory); --no-reshard-after-forward keeps them until backward (one "
+        "all-gather less per block and step, the whole parameters held between forward and backward)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+    )
+    cpu_offload: bool = option(
+        "keep parameter shards, gradients and the optimizer step on the CPU (CPUOffloadPolicy); "
+        "with CUDA, each block's shards are copied to the GPU for its forward and backward",
+        action="store_true",
+        default=False,
+    )
+    hsdp: int = option(
+        "hybrid sharding: a 2-D mesh of R replicas × (world / R) shards; gradients are "
+        "reduce-scattered within a replica, then all-reduced across replicas (the multi-node layout: "
+        "shard within a node, replicate across nodes). 1: shard over every rank",
+        metavar="R",
+        type=int,
+        default=1,
+    )
 
 
 def make_mesh(world_size: int, replicas: int, device: torch.device) -> DeviceMesh:
@@ -110,30 +124,37 @@ def make_mesh(world_size: int, replicas: int, device: torch.device) -> DeviceMes
     )
 
 
-def mixed_precision(cfg: RunConfig) -> MixedPrecisionPolicy:
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """bf16: parameters all-gathered and computed in bf16, gradients reduced in fp32, the sharded fp32
     parameters stepped by the optimizer (the master weights). Otherwise all in the parameters' dtype.
     The loop's autocast stays on too (as in single): the policy sets what FSDP gathers and reduces, autocast
     what each op computes in (the loss in fp32)."""
-    if cfg.precision == "bf16":
+    if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: RunConfig, device: torch.device) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    precision: str = "fp32",
+    device: torch.device,
+) -> nn.Module:
     """fully_shard each block, then the root (torchtitan's order): each block's parameters are one
     all-gather / reduce-scatter group, unsharded only while that block runs; the root takes what the
     blocks leave (none here: every parameter belongs to a block). Replaces the parameters by DTensor
     shards in place: build the optimizer after this."""
-    fsdp: FSDPOptions = cfg.strategy
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
-    settings = {"mesh": mesh, "mp_policy": mixed_precision(cfg), "offload_policy": offload}
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+    settings = {"mesh": mesh, "mp_policy": mixed_precision(precision), "offload_policy": offload}
     blocks = list(model.children())
     for i, block in enumerate(blocks):
         # The last block's parameters would be gathered again right away for backward: keep them.
-        reshard = fsdp.reshard_after_forward and i < len(blocks) - 1
+        reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **settings)
-    fully_shard(model, reshard_after_forward=fsdp.reshard_after_forward, **settings)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **settings)
     sum_gradients_over_ranks(model)
     return model
 
@@ -146,74 +167,6 @@ def sum_gradients_over_ranks(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):  # each fully_shard call: its own unit, its own setting
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-
-
-def evaluate_gathered(
-    model: nn.Module, eval_model: nn.Module, test_set: TensorData, device: torch.device, cfg: RunConfig
-) -> torch.Tensor:
-    """The test set's [loss sum, correct, count], each rank scoring its shard of it with `eval_model`, a
-    plain copy of the model loaded with the gathered parameters: forwards through the sharded model
-    all-gather collectively, and shards may differ in batch count, so they would not pair up across ranks.
-    BatchNorm statistics (buffers, not sharded) are rank 0's everywhere: the saved model's. A collective."""
-    eval_model.load_state_dict(full_state_dict(model))
-    eval_model.to(device)  # for the evaluation only: a whole model on every GPU would undo the sharding
-    for buffer in eval_model.buffers():
-        dist.broadcast(buffer, src=0)
-    batches = eval_batches(test_set, rank=dist.get_rank(), world_size=dist.get_world_size())
-    totals = evaluate(eval_model, batches, device, cfg)
-    eval_model.to("cpu")
-    dist.all_reduce(totals)  # the ranks' sums: the whole test set's
-    return totals
-
-
-def fsdp_cost(
-    model: nn.Module, mesh: DeviceMesh, cfg: RunConfig, info: DatasetInfo, world_size: int
-) -> Predicted:
-    """What an FSDP rank costs by formula (distref.cost.sharded): every block a unit (apply_fsdp; the root
-    holds no parameter) all-gathered before its forward and, resharded, again before its backward, its
-    gradients reduce-scattered (and all-reduced over the replicas with --hsdp); this rank's rows of every
-    parameter, gradient and optimizer state; one micro-batch's activations. A unit gathers its every
-    parameter, frozen or unread, and reduces those with a gradient; a unit never called, nothing."""
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
-    units, reduced_units, shapes, trained = [], [], [], []  # by unit: gathered, reduced; every parameter
-    for name, block in model.named_children():
-        named = [(f"{name}.{sub}", p) for sub, p in block.named_parameters()]
-        flags = usage.trained_flags(named)
-        units.append([p.shape for _, p in named] if name in usage.called else [])  # never called: no gather
-        reduced_units.append([p.shape for (_, p), t in zip(named, flags, strict=True) if t])
-        shapes, trained = shapes + [p.shape for _, p in named], trained + flags
-    shards, dtype, policy = mesh["shard"], param_dtype(cfg), mixed_precision(cfg)
-    communication = model_states = None
-    if not usage.unknown:
-        communication = fsdp_communication(
-            units,
-            [cfg.strategy.reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
-            shards.size(),
-            replicas=cfg.strategy.hsdp,
-            gather_element_bytes=(policy.param_dtype or dtype).itemsize,
-            reduce_element_bytes=(policy.reduce_dtype or dtype).itemsize,
-            grad_accum=cfg.grad_accum,
-            reduced_units=reduced_units,
-        )
-        model_states = fsdp_model_states(
-            shapes,
-            shards.size(),
-            shards.get_local_rank(),  # this rank's place in its shard group
-            dtype.itemsize,
-            cfg.optimizer,
-            torch.get_default_dtype().itemsize,
-            trained=trained,
-        )
-    return Predicted(
-        communication=communication,
-        model_states=model_states,
-        activations=predicted_for_run(cfg, info, world_size),
-        unavailable={
-            "communication": usage.unknown,
-            "model_states": usage.unknown,
-            "activations": no_formula(cfg.model, cfg.precision),
-        },
-    )
 
 
 # --- end FSDP strategy ---
@@ -245,7 +198,15 @@ def main(argv: list[str] | None = None) -> dict:
     # them (no broadcast needed). A plain copy of the model scores the gathered parameters (evaluation):
     # kept on the CPU between evaluations, where a whole model on every GPU would undo the sharding.
     eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
-    model = apply_fsdp(model, mesh, cfg, device)
+    options = cfg.strategy
+    model = apply_fsdp(
+        model,
+        mesh,
+        reshard_after_forward=options.reshard_after_forward,
+        cpu_offload=options.cpu_offload,
+        precision=cfg.precision,
+        device=device,
+    )
     optimizer = make_optimizer(cfg, model.parameters())  # over the shards: each rank steps its own
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
@@ -255,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     )  # --- FSDP: every rank keeps the numbers, rank 0 writes them
     record.add_strategy_facts(  # --- FSDP: the mesh, and how the options shard
         mesh=dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
-        reshard_after_forward=cfg.strategy.reshard_after_forward,
-        cpu_offload=cfg.strategy.cpu_offload,
+        reshard_after_forward=options.reshard_after_forward,
+        cpu_offload=options.cpu_offload,
     )
 
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
@@ -342,9 +303,25 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             save_checkpoint(cfg.save_final, final)
     # --- FSDP: every rank's memory and model states (its shards), beside the formulas', and what its
-    # counted step communicated beside the formula's (fsdp_cost), gathered to rank 0
-    predicted = fsdp_cost(model, mesh, cfg, info, world_size)
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)
+    # counted step communicated beside the formula's (distref.cost.sharded), gathered to rank 0
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    policy, shards = mixed_precision(cfg.precision), mesh["shard"]
+    predicted = fsdp_rank_cost(
+        parameters_by_block(model, usage),  # every block a unit (apply_fsdp; the root holds no parameter)
+        shards.size(),
+        shards.get_local_rank(),  # this rank's place in its shard group
+        replicas=cfg.strategy.hsdp,
+        reshard_after_forward=cfg.strategy.reshard_after_forward,
+        dtype=param_dtype(cfg),
+        gather_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        grad_accum=cfg.grad_accum,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        activations=(predicted_for_run(cfg, info, world_size), no_formula(cfg.model, cfg.precision)),
+    )
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- FSDP: to rank 0
     if is_main:
         print_summary(record.data)
     return record.data
@@ -352,30 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 # ---- The command line: the core options (distref.cli) and FSDP's own -----------------------------
 # --- FSDP: its options, parsed once into FSDPOptions (cfg.strategy) ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="free each block's gathered parameters after its forward and gather them again for its "
-        "backward (ZeRO-3: least memory); --no-reshard-after-forward keeps them until backward (one "
-        "all-gather less per block and step, the whole parameters held between forward and backward)",
-    )
-    parser.add_argument(
-        "--cpu-offload",
-        action="store_true",
-        help="keep parameter shards, gradients and the optimizer step on the CPU (CPUOffloadPolicy); "
-        "with CUDA, each block's shards are copied to the GPU for its forward and backward",
-    )
-    parser.add_argument(
-        "--hsdp",
-        metavar="R",
-        type=int,
-        default=1,
-        help="hybrid sharding: a 2-D mesh of R replicas × (world / R) shards; gradients are "
-        "reduce-scattered within a replica, then all-reduced across replicas (the multi-node layout: "
-        "shard within a node, replicate across nodes). 1: shard over every rank",
-    )
+add_options = add_options_for(FSDPOptions)  # FSDPOptions' fields, each its --option
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:

@@ -21,7 +21,6 @@ Two forms, one loop:
 Changes against impls/single/train.py are marked `# --- MODEL PARALLEL: ... ---`.
 """
 
-import argparse
 import dataclasses
 from collections import OrderedDict
 
@@ -29,16 +28,12 @@ import torch
 import torch.distributed as dist  # --- MODEL PARALLEL ---
 
 from distref import impl_version
-from distref.cli import exit_on_bad_input, parse_config
+from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, under_torchrun
-from distref.cost import Predicted
 from distref.cost.activations import no_formula, part_bytes
-from distref.cost.memory import replicated
-from distref.cost.pipeline import boundary_bytes
-from distref.cost.pipeline import model_parallel as model_parallel_communication
-from distref.cost.usage import model_usage
+from distref.cost.pipeline import boundary_bytes, model_parallel_rank_cost
+from distref.cost.usage import model_usage, parameters_of
 from distref.data import (
-    DatasetInfo,
     eval_batches,
     load_dataset,
     scored_targets,
@@ -49,13 +44,16 @@ from distref.distributed import (
     check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
+    finish_record,
     gather_to_rank0,
     launch_ranks,
     recv_tensor,
+    save_whole_state,
     send_tensor,
     start_process_group,
 )
-from distref.distributed.partition import block_sizes, choose_cut_points, cut_problem, part_bounds
+from distref.distributed.handoffs import HandoffMeter
+from distref.distributed.partition import block_sizes, choose_cut_points, part_bounds
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
@@ -64,7 +62,6 @@ from distref.training.checkpoint import (
     load_checkpoint,
     resume_path,
     resume_step,
-    save_checkpoint,
     save_step_checkpoint,
     unwrap_state_dict,
 )
@@ -76,11 +73,11 @@ from distref.training.device import (
     seed_step,
     synchronize,
 )
-from distref.training.measure import IntervalTimer, model_state_bytes
+from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
 from distref.training.steps import loss_sum, score
-from distref.training.traffic import TRAFFIC
+from distref.your_model import cut_problem
 
 IMPL = "model_parallel"
 VERSION = impl_version(__file__)
@@ -89,10 +86,18 @@ VERSION = impl_version(__file__)
 # --- MODEL PARALLEL: the strategy ----------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelParallelOptions:
-    """Model parallelism's own options (`add_options`, at the end of this file, gives their help)."""
+    """Model parallelism's own options (cfg.strategy), each declared with its command-line option."""
 
-    partition: str | None
-    devices: str | None
+    partition: str | None = option(
+        "block indices where the model is cut, e.g. 2 (two parts) or 1,2,3 (four); "
+        "default: the cut balancing parameter counts",
+        metavar="CUTS",
+    )
+    devices: str | None = option(
+        "one process, one part per device: cuda:0,cuda:1 (cpu,cpu shows the mechanism on CPU); "
+        "default: one process per part",
+        metavar="LIST",
+    )
 
 
 def device_list(text: str) -> tuple[list[torch.device] | None, str | None]:
@@ -117,15 +122,11 @@ def device_list(text: str) -> tuple[list[torch.device] | None, str | None]:
 @dataclasses.dataclass
 class Links:
     """The ranks holding the parts before and after this process's (None: it holds the first / last
-    part; both None in the one-process form), and what it measured on the way."""
+    part; both None in the one-process form); `meter` measures the hand-offs (bytes sent, time waiting)."""
 
     before: int | None = None
     after: int | None = None
-    bytes_sent: int = 0  # activations forward, their gradients backward
-    bytes_per_step: int | None = None  # bytes_sent once the first step is done
-    trained_s: float = 0.0  # the time this session trained, for the busy fraction
-    # training time blocked receiving: idle, waiting for a neighbour (CUDA events on a GPU)
-    waiting: IntervalTimer = dataclasses.field(default_factory=lambda: IntervalTimer(torch.device("cpu")))
+    meter: HandoffMeter = dataclasses.field(default_factory=HandoffMeter)
 
 
 def start_parts(cfg: RunConfig) -> tuple[int, int, list[torch.device], str, Links]:
@@ -140,39 +141,39 @@ def start_parts(cfg: RunConfig) -> tuple[int, int, list[torch.device], str, Link
         return 0, 1, devices, "none", Links()
     rank, world_size, device, backend = start_process_group(cfg)  # a send/recv waits at most --timeout
     before, after = rank - 1 if rank > 0 else None, rank + 1 if rank < world_size - 1 else None
-    return rank, world_size, [device], backend, Links(before, after, waiting=IntervalTimer(device))
+    return rank, world_size, [device], backend, Links(before, after, HandoffMeter(device))
 
 
 def apply_model_parallel(
-    model: BlockModel, cuts: list[int], devices: list[torch.device], rank: int, cfg: RunConfig, say: bool
+    model: BlockModel,
+    cuts: list[int],
+    devices: list[torch.device],
+    *,
+    parts_held: list[int],
+    activation_checkpointing: bool = False,
+    say: str | None = None,
 ) -> tuple[BlockModel, list[tuple[BlockModel, torch.device]], list[list[str]]]:
-    """The model cut at `cuts` into parts [first, end) of its blocks. Returns this process's parts, each
-    moved to its device (the blocks themselves: their parameter names stay the core model's), all its
-    blocks as one model (for the optimizer, the state_dict and the model-state bytes), and the block
-    names of every part (for the record)."""
+    """The model cut at `cuts` into parts [first, end) of its blocks: this process's (`parts_held`), each on
+    its device (the blocks themselves: parameter names stay the core model's); all its blocks as one model
+    (optimizer, state_dict, model-state bytes); every part's block names (the record). `say`: how the cut
+    was made, printed."""
     bounds = part_bounds(cuts, len(list(model.children())))
     blocks = list(model.named_children())
     names = [[name for name, _ in blocks[a:b]] for a, b in bounds]
     if say:
-        how = "as given" if cfg.strategy.partition else "balancing parameter counts"
         shown = " | ".join(",".join(part) for part in names)
-        print(f"{IMPL}: {len(bounds)} parts, cut at {cuts} ({how}): {shown}")
-    mine = bounds if cfg.strategy.devices is not None else [bounds[rank]]  # --devices: every part
+        print(f"{IMPL}: {len(bounds)} parts, cut at {cuts} ({say}): {shown}")
+    mine = [bounds[i] for i in parts_held]
     parts = [(BlockModel(OrderedDict(blocks[a:b])).to(d), d) for (a, b), d in zip(mine, devices, strict=True)]
     for part, _ in parts:
-        part.activation_checkpointing = cfg.activation_checkpointing
+        part.activation_checkpointing = activation_checkpointing
     held = BlockModel(OrderedDict((n, b) for part, _ in parts for n, b in part.named_children()))
     return held, parts, names
 
 
 def send_activation(tensor: torch.Tensor, links: Links) -> None:
-    """To the next part: shape and dtype first (micro-batches and eval batches differ in size; autocast
-    changes the dtype), then the data (distref.distributed.send_tensor)."""
-    links.bytes_sent += send_tensor(tensor, links.after)
-
-
-def receive_activation(links: Links, device: torch.device) -> torch.Tensor:
-    return recv_tensor(links.before, device)
+    """To the next part, its shape and dtype first (batches differ in size; autocast changes the dtype)."""
+    links.meter.sent(send_tensor(tensor, links.after))
 
 
 def run_parts(parts: list[tuple[BlockModel, torch.device]], x: torch.Tensor) -> torch.Tensor:
@@ -190,8 +191,8 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler, scored:
     if links.before is None:
         inputs = x
     else:  # the previous part's output, as this part's input: backward needs its gradient
-        with links.waiting.measure():
-            inputs = receive_activation(links, parts[0][1]).requires_grad_()
+        with links.meter.waiting():
+            inputs = recv_tensor(links.before, parts[0][1]).requires_grad_()
     with autocast(cfg, device):
         outputs = run_parts(parts, inputs)
     if links.after is None:  # the last part: the loss, and backward from it
@@ -202,7 +203,7 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler, scored:
         scaler.scale(loss).backward()
     else:
         send_activation(outputs.detach(), links)
-        with links.waiting.measure():
+        with links.meter.waiting():
             output_grad = torch.empty_like(outputs)  # the same shape and dtype as what was sent
             dist.recv(output_grad, links.after)
         if outputs.requires_grad:  # (a part whose parameters are all frozen, before any trained one: none)
@@ -210,7 +211,7 @@ def train_micro_batch(parts, x, y, links: Links, cfg: RunConfig, scaler, scored:
         loss = torch.zeros((), device=device)
     if links.before is not None:  # hand the input's gradient to the previous part
         dist.send(inputs.grad, links.before)
-        links.bytes_sent += inputs.grad.numel() * inputs.grad.element_size()
+        links.meter.sent(inputs.grad.numel() * inputs.grad.element_size())
     return loss.detach()
 
 
@@ -223,7 +224,7 @@ def evaluate_parts(parts, batches, links: Links, cfg: RunConfig) -> torch.Tensor
     for part, _ in parts:
         part.eval()
     for x, y in batches:
-        inputs = x if links.before is None else receive_activation(links, parts[0][1])
+        inputs = x if links.before is None else recv_tensor(links.before, parts[0][1])
         with autocast(cfg, device):
             outputs = run_parts(parts, inputs)
         if links.after is None:
@@ -235,80 +236,19 @@ def evaluate_parts(parts, batches, links: Links, cfg: RunConfig) -> torch.Tensor
     return totals
 
 
-def losses_of_last_rank(losses: torch.Tensor, last_rank: int) -> torch.Tensor:
-    """The pending step losses as the rank with the last part computed them (the others hold zeros)."""
+def from_last_rank(tensor: torch.Tensor, last_rank: int) -> torch.Tensor:
+    """`tensor` (step losses, test scores) as the rank with the last part computed it (the others: zeros)."""
     if last_rank > 0:  # several ranks
-        dist.broadcast(losses, src=last_rank)
-    return losses
+        dist.broadcast(tensor, src=last_rank)
+    return tensor
 
 
 def gather_parts(model: BlockModel, optimizer: torch.optim.Optimizer, world_size: int) -> dict | None:
-    """The checkpoint's states, on rank 0 (None elsewhere): every part's blocks in one state_dict (the core
-    model's keys, fp32) and the list of every part's optimizer state, by rank."""
+    """On rank 0 (None elsewhere): every part's blocks in one state_dict, and the parts' optimizer states."""
     held = {"model": unwrap_state_dict(model), "optimizer": optimizer.state_dict()}
     gathered = gather_to_rank0(held, world_size)  # [] but on rank 0
     model_state = {k: v for part in gathered for k, v in part["model"].items()}
     return {"model": model_state, "optimizer": [part["optimizer"] for part in gathered]} if gathered else None
-
-
-def finish_parts_record(
-    record, global_batch_size: int, state_bytes, links: Links, world_size: int, predicted: Predicted
-) -> None:
-    """End the run's record with every rank's numbers, gathered to rank 0 (the one that writes it): among
-    them its communication in the counted step and its model states, measured and `predicted`."""
-    measured = gather_to_rank0(
-        {
-            "peak": record.training_peak_memory(),  # one per device it computes on
-            "state": state_bytes,
-            "bytes_per_step": links.bytes_per_step,
-            "busy_fraction": 1 - links.waiting.seconds() / links.trained_s if links.trained_s else None,
-            "traffic": TRAFFIC.summary(),
-            "predicted": predicted.as_dict(),
-        },
-        world_size,
-    )
-    if measured:  # rank 0
-        record.add_strategy_facts(
-            bytes_sent_per_step=[m["bytes_per_step"] for m in measured],
-            busy_fraction=[m["busy_fraction"] for m in measured],
-        )
-        record.set_communication([m["traffic"] for m in measured])
-    peaks, states = [p for m in measured for p in m["peak"]], [m["state"] for m in measured]
-    record.finish(global_batch_size, peaks, states, [m["predicted"] for m in measured])
-
-
-def model_parallel_cost(
-    model: BlockModel,
-    cfg: RunConfig,
-    info: DatasetInfo,
-    bounds: list[tuple[int, int]],
-    activation_bytes: list[int],
-    rank: int,
-    world_size: int,
-) -> Predicted:
-    """What this rank costs by formula (distref.cost): per micro-batch a header and the activation to the
-    next part, the activation's gradient back (`activation_bytes`: each cut's, for one micro-batch); the
-    model states of its part(s) (gradients and optimizer state of the parameters that receive a
-    gradient); the activations of one micro-batch at a time through its blocks, bounds[rank] of the whole
-    model's (--devices, one process: every block)."""
-    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    micro_batch, checkpointed = cfg.global_batch_size // cfg.grad_accum, cfg.activation_checkpointing
-    if world_size == 1:
-        bounds, rank = [(bounds[0][0], bounds[-1][1])], 0
-    activations = part_bytes(
-        cfg.model, info, cfg.gpt_layers, bounds, rank, micro_batch, 1, cfg.precision, checkpointed
-    )
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
-    model_states = None
-    if not usage.unknown:
-        trained = usage.trained_flags(model.named_parameters())
-        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
-    return Predicted(
-        communication=model_parallel_communication(activation_bytes, rank, world_size, cfg.grad_accum),
-        model_states=model_states,
-        activations=activations,
-        unavailable={"model_states": usage.unknown, "activations": no_formula(cfg.model, cfg.precision)},
-    )
 
 
 # --- end MODEL PARALLEL strategy ---
@@ -316,8 +256,7 @@ def model_parallel_cost(
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_options(argv)
-    # --- MODEL PARALLEL: one process per part (launched here from plain python, as ddp does), or with
-    # --devices one process driving a part per device. `links` names the neighbouring ranks.
+    # --- MODEL PARALLEL: a process per part (launched here, as ddp does), or one driving a part per --devices
     one_process = cfg.strategy.devices is not None
     if not one_process and not under_torchrun():
         launch_ranks(__file__, argv, cfg, IMPL)  # starts the ranks and exits
@@ -337,18 +276,17 @@ def main(argv: list[str] | None = None) -> dict:
         with exit_on_bad_input(IMPL, say=is_main):
             check_ranks_agree(cfg, train_set, test_set, model)
     # --- MODEL PARALLEL: every rank builds the whole model as single does (same seed, same initial
-    # parameters), cuts it between its blocks (--partition, else balancing the parameters the blocks
-    # hold), keeps its own part(s) on its device(s) and lets the rest go. Each cut's activation for one
-    # micro-batch (its bytes, for the cost formula) from a forward on fake tensors, before the cut.
+    # parameters), cuts it between its blocks (--partition, else balancing their parameters), keeps its own
+    # part(s) on its device(s), lets the rest go; first each cut's activation bytes (a fake-tensor forward).
     cuts = choose_cut_points(block_sizes(model), cfg.strategy.partition, n_parts)[0]
-    micro_batch, bounds = (
-        train_set.x[: cfg.global_batch_size // cfg.grad_accum],
-        part_bounds(cuts, len(list(model.children()))),
+    micro_batch, n_blocks = cfg.global_batch_size // cfg.grad_accum, len(list(model.children()))
+    bounds, example = part_bounds(cuts, n_blocks), train_set.x[:micro_batch]
+    activation_bytes = boundary_bytes(list(model.children()), bounds, example, device, autocast(cfg, device))
+    mine = list(range(n_parts)) if one_process else [rank]  # --devices: one process holds every part
+    say = ("as given" if cfg.strategy.partition else "balancing parameter counts") if is_main else None
+    model, parts, part_names = apply_model_parallel(
+        model, cuts, devices, parts_held=mine, activation_checkpointing=cfg.activation_checkpointing, say=say
     )
-    activation_bytes = boundary_bytes(
-        list(model.children()), bounds, micro_batch, device, autocast(cfg, device)
-    )
-    model, parts, part_names = apply_model_parallel(model, cuts, devices, rank, cfg, say=is_main)
     optimizer = make_optimizer(cfg, model.parameters())  # --- MODEL PARALLEL: this rank's parameters
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
@@ -397,9 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
             started = log.step_starts(step)
             # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
             # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
-            seed_step(
-                cfg.seed, step, stream=rank, devices=devices
-            )  # --- MODEL PARALLEL: each part its own stream
+            seed_step(cfg.seed, step, stream=rank, devices=devices)  # --- MODEL PARALLEL: a stream per part
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
@@ -419,24 +355,19 @@ def main(argv: list[str] | None = None) -> dict:
             scheduler.step()
             if state_bytes is None:
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
-                links.bytes_per_step = links.bytes_sent  # --- MODEL PARALLEL: measured on the first step
             optimizer.zero_grad(set_to_none=True)
             for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
                 synchronize(part_device)
-            step_s = log.step_done(step_loss, started)
-            if step != TRAFFIC.counted_step:  # --- MODEL PARALLEL: its time, for busy (as links.waiting,
-                links.trained_s += step_s  # which leaves out the counted step: slower)
+            links.meter.step_done(step, log.step_done(step_loss, started))  # --- MODEL PARALLEL: its time
             prof.step()
 
             due = cadence.after(step)
             if due.log:  # --- MODEL PARALLEL: the losses are the last rank's
-                log.flush(due.done, reduce=lambda losses: losses_of_last_rank(losses, last_rank))
+                log.flush(due.done, reduce=lambda losses: from_last_rank(losses, last_rank))
             if due.eval:
                 started = log.eval_starts()
                 # --- MODEL PARALLEL: every test batch through the chain; the last rank scores it
-                totals = evaluate_parts(parts, eval_batches(test_set), links, cfg)
-                if world_size > 1:
-                    dist.broadcast(totals, src=last_rank)
+                totals = from_last_rank(evaluate_parts(parts, eval_batches(test_set), links, cfg), last_rank)
                 log.evaluated(due.done, totals, started)
             if due.checkpoint:
                 # --- MODEL PARALLEL: rank 0 gathers every part (core keys) and optimizer state
@@ -445,15 +376,27 @@ def main(argv: list[str] | None = None) -> dict:
                     states.update(cut_points=cuts, scaler=scaler.state_dict())
                     save_step_checkpoint(cfg, due.done, n_steps, record, **states)
 
-    # --- MODEL PARALLEL: rank 0 gathers every part into the full fp32 state_dict (core keys)
-    if cfg.save_final:
-        parts_state = gather_to_rank0(unwrap_state_dict(model), world_size)
-        if is_main:
-            save_checkpoint(cfg.save_final, {k: v for part in parts_state for k, v in part.items()})
-    # --- MODEL PARALLEL: every rank's memory and model states (about 1/parts each), its idle time and
-    # the bytes it sent per step, beside what the formulas predict (model_parallel_cost), gathered to rank 0
-    predicted = model_parallel_cost(model, cfg, info, bounds, activation_bytes, rank, world_size)
-    finish_parts_record(record, cfg.global_batch_size, state_bytes, links, world_size, predicted)
+    if cfg.save_final:  # --- MODEL PARALLEL: rank 0 gathers every part into the full fp32 state_dict
+        save_whole_state(cfg.save_final, unwrap_state_dict(model), world_size)
+    # --- MODEL PARALLEL: every rank's hand-offs, memory and model states, beside the formulas', to rank 0
+    record.add_strategy_facts(**links.meter.gathered(world_size))
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    mine, checkpointed = bounds if world_size > 1 else [(0, n_blocks)], cfg.activation_checkpointing
+    held = part_bytes(
+        cfg.model, info, cfg.gpt_layers, mine, rank, micro_batch, 1, cfg.precision, checkpointed
+    )
+    predicted = model_parallel_rank_cost(
+        activation_bytes,
+        rank,
+        world_size,
+        cfg.grad_accum,
+        parameters=parameters_of(model.named_parameters(), usage),
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        activations=(held, no_formula(cfg.model, cfg.precision)),
+    )
+    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- MODEL PARALLEL
     if is_main:
         print_summary(record.data)
     return record.data
@@ -461,19 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 # ---- The command line: the core options (distref.cli) and model parallelism's own ---------------
 # --- MODEL PARALLEL: its options, parsed once into ModelParallelOptions (cfg.strategy) ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--partition",
-        metavar="CUTS",
-        help="block indices where the model is cut, e.g. 2 (two parts) or 1,2,3 (four); "
-        "default: the cut balancing parameter counts",
-    )
-    parser.add_argument(
-        "--devices",
-        metavar="LIST",
-        help="one process, one part per device: cuda:0,cuda:1 (cpu,cpu shows the mechanism on CPU); "
-        "default: one process per part",
-    )
+add_options = add_options_for(ModelParallelOptions)  # ModelParallelOptions' fields, each its --option
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:

@@ -19,7 +19,7 @@ zbv, dualpipev             2, V-shaped       rank r holds stages r and 2p-1-r (t
 
 Every rank builds the whole model from the seed (as single does), keeps the blocks of its stages and
 lets the rest go. `--dp N` runs N pipelines side by side on a 2-D device mesh (world = N × p), each on
-its own share of the batch, and averages each stage's gradients across them.
+its own share of the batch, and sums each stage's gradients across them.
 
     python impls/pipeline/train.py --nproc-per-node 2 --epochs 2 --out runs/pp       # 2 stages, 1F1B, M=4
     python impls/pipeline/train.py --nproc-per-node 4 --dp 2 --schedule gpipe        # 2 pipelines × 2 stages
@@ -31,16 +31,15 @@ Changes against impls/single/train.py are marked `# --- PIPELINE: ... ---`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist  # --- PIPELINE ---
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
+    PipelineStage,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -51,48 +50,45 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from distref import impl_version
-from distref.cli import exit_on_bad_input, parse_config
-from distref.config import RunConfig, fail, positive_int, under_torchrun
-from distref.cost import Predicted
-from distref.cost.activations import Action, no_formula, one_stage_order, pipeline_rank
-from distref.cost.memory import replicated
-from distref.cost.pipeline import pipeline as pipeline_communication
-from distref.cost.usage import model_usage
-from distref.data import (
-    DatasetInfo,
-    eval_batches,
-    load_dataset,
-    scored_targets,
-    steps_per_epoch,
-    train_loader,
-)
+from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
+from distref.config import RunConfig, positive_int, under_torchrun
+from distref.cost.activations import pipeline_rank_activations
+from distref.cost.pipeline import pipeline_rank_cost
+from distref.cost.usage import model_usage, parameters_of
+from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_sum,
     check_ranks_agree,
     destroy_process_group_on_exit,
     exit_without_interpreter_teardown,
     finish_record,
-    gather_to_rank0,
     launch_ranks,
-    recv_tensor,
-    send_tensor,
+    save_whole_state,
     start_process_group,
 )
-from distref.distributed.partition import block_sizes, choose_cut_points, cut_problem, part_bounds
-from distref.distributed.stages import ScheduleTimeline, TimedStage
+from distref.distributed.partition import block_sizes, choose_cut_points, part_bounds
+from distref.distributed.stages import (
+    ONE_STAGE_PER_RANK,
+    V_SHAPED,
+    StageMeter,
+    default_stages_per_rank,
+    evaluate_stages,
+    microbatch_problem,
+    stage_examples,
+    stages_per_rank_problem,
+    work_order,
+)
 from distref.models import BlockModel, build_model
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
 from distref.training.checkpoint import (
-    CheckpointError,
-    check_listed_files,
     checkpoint_path,
     checkpoint_state,
-    file_sha256,
     load_checkpoint,
+    load_sharded_checkpoint,
     resume_path,
     resume_step,
-    save_checkpoint,
+    save_sharded_checkpoint,
     unwrap_state_dict,
 )
 from distref.training.device import (
@@ -103,10 +99,11 @@ from distref.training.device import (
     seed_step,
     synchronize,
 )
-from distref.training.measure import IntervalTimer, SavedActivations, model_state_bytes
+from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
-from distref.training.steps import loss_sum, score
+from distref.training.steps import loss_sum
+from distref.your_model import cut_problem
 
 IMPL = "pipeline"
 VERSION = impl_version(__file__)
@@ -121,25 +118,33 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
-V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2p-1-r
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-    """The pipeline's own options (`add_options`, at the end of this file, gives their help and defaults)."""
+    """The pipeline's own options (cfg.strategy), each declared with its command-line option."""
 
-    schedule: str
-    microbatches: int
-    stages_per_rank: int | None  # None: the schedule's default (`stages_per_rank`)
-    dp: int
-    partition: str | None
-
-
-def stages_per_rank(options: PipelineOptions) -> int:
-    if options.stages_per_rank is not None:
-        return options.stages_per_rank
-    return 1 if options.schedule in ONE_STAGE_PER_RANK else 2
+    schedule: str = option("the pipeline schedule", choices=list(SCHEDULES), default="1f1b")
+    microbatches: int = option(
+        "micro-batches per step and pipeline; must divide the pipeline's batch",
+        metavar="M",
+        type=positive_int,
+        default=4,
+    )
+    stages_per_rank: int | None = option(
+        "stages each rank holds (default: 1 for gpipe/1f1b, 2 for the others)", metavar="V", type=positive_int
+    )
+    dp: int = option(
+        "pipelines side by side (data parallel): ranks = N × ranks per pipeline",
+        metavar="N",
+        type=positive_int,
+        default=1,
+    )
+    partition: str | None = option(
+        "block indices where the model is cut into its p×V stages, e.g. 2 or 1,2,3; default: the cut "
+        "balancing parameter counts",
+        metavar="CUTS",
+    )
 
 
 def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
@@ -153,6 +158,7 @@ def stage_indices(schedule: str, pp_rank: int, p: int, v: int) -> list[int]:
 class PipelineMesh:
     """Where this rank sits in the 2-D mesh of (pipelines, stage ranks)."""
 
+    dp: int  # pipelines side by side
     p: int  # stage ranks per pipeline
     v: int  # stages per rank
     pp_group: dist.ProcessGroup  # this rank's pipeline: its stages' sends and receives
@@ -167,115 +173,105 @@ class PipelineMesh:
         return self.p * self.v
 
 
-def pipeline_mesh(device: torch.device, options: PipelineOptions, world_size: int) -> PipelineMesh:
-    """A 2-D mesh of (pipelines, stage ranks): rank r's pipeline rank is r % p, its replica index r // p."""
-    p, v = world_size // options.dp, stages_per_rank(options)
-    mesh = init_device_mesh(device.type, (options.dp, p), mesh_dim_names=("dp", "pp"))
+def pipeline_mesh(device: torch.device, world_size: int, *, dp: int, schedule: str, v: int) -> PipelineMesh:
+    """A 2-D mesh of (`dp` pipelines, stage ranks), `v` stages per rank placed as `schedule` places them:
+    rank r's pipeline rank is r % p, its replica index r // p."""
+    p = world_size // dp
+    mesh = init_device_mesh(device.type, (dp, p), mesh_dim_names=("dp", "pp"))
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     owner = [0] * (p * v)
     for r in range(p):
-        for s in stage_indices(options.schedule, r, p, v):
+        for s in stage_indices(schedule, r, p, v):
             owner[s] = dist.get_global_rank(pp_group, r)
-    my_stages = stage_indices(options.schedule, pp_rank, p, v)
-    return PipelineMesh(p, v, pp_group, dp_group, pp_rank, dp_rank, owner, my_stages)
+    my_stages = stage_indices(schedule, pp_rank, p, v)
+    return PipelineMesh(dp, p, v, pp_group, dp_group, pp_rank, dp_rank, owner, my_stages)
 
 
-def cut_into_stages(
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """This rank's share of the pipeline (`apply_pipeline`): its blocks as one `model` (parameter names
+    the whole model's: optimizer, state_dict) and as stages by stage index, the schedule that runs them
+    with its loss, each stage's example input and output (the shapes and dtypes a micro-batch sends
+    between stages) and the layout (the blocks each pipeline rank holds)."""
+
+    model: BlockModel
+    stage_modules: dict[int, BlockModel]
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    loss: GlobalBatchMean
+    examples: list[tuple[torch.Tensor, torch.Tensor]]
+    layout: list[list[str]]
+    n_stages: int
+    device: torch.device
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scored: int) -> list[torch.Tensor]:
+        """One step of the schedule: every micro-batch's forward and backward on this rank's stages, the
+        activations and their gradients sent to the neighbouring stages, each micro-batch's loss sum
+        divided by the global batch's `scored` targets. The first stage takes the batch's inputs `x`, the
+        last its targets `y` and returns each micro-batch's loss (none elsewhere)."""
+        self.loss.scored = scored
+        losses: list[torch.Tensor] = []
+        first, last = 0 in self.stage_modules, self.n_stages - 1 in self.stage_modules
+        inputs = (x.to(self.device),) if first else ()
+        self.schedule.step(*inputs, **({"target": y.to(self.device), "losses": losses} if last else {}))
+        return losses
+
+
+def apply_pipeline(
     model: BlockModel,
-    cuts: list[int],
-    cfg: RunConfig,
     mesh: PipelineMesh,
+    *,
+    cuts: list[int],
+    schedule: str,
+    microbatches: int,
     example: torch.Tensor,
     device: torch.device,
-    say: bool,
-) -> tuple[dict[int, BlockModel], list[tuple[torch.Tensor, torch.Tensor]], list[list[str]]]:
-    """This rank's stages of the whole `model`, cut at `cuts`, on `device`, by stage index; each
-    stage's example input and output (`stage_examples`, for micro-batch `example`); and the layout:
-    the blocks each pipeline rank holds. Each stage is a BlockModel of whole blocks, so parameter
-    names stay the core model's."""
-    options, p, v = cfg.strategy, mesh.p, mesh.v
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    wrap_stage: Callable[[PipelineStage], PipelineStage] = lambda stage: stage,
+    say: bool = False,
+    cuts_given: bool = False,
+) -> Pipeline:
+    """Cut the whole `model` at `cuts` into p×V stages and keep this rank's, on `device`, each a
+    BlockModel of whole blocks (parameter names stay the model's); wrap each in a PipelineStage
+    (`wrap_stage`: a measurement's) and build `schedule` over `microbatches` micro-batches of the size of
+    `example` (one micro-batch: it gives every stage its shapes), its loss GlobalBatchMean. `say`:
+    print the layout (`cuts_given`: by --partition)."""
     blocks = list(model.named_children())
     bounds = part_bounds(cuts, len(blocks))
     if say:
-        how = "as given" if options.partition else "balancing parameter counts"
         shown = " | ".join(",".join(name for name, _ in blocks[a:b]) for a, b in bounds)
+        how = "as given" if cuts_given else "balancing parameter counts"
         print(
-            f"{IMPL}: {options.schedule}, {options.microbatches} micro-batches, {options.dp} pipeline(s) "
-            f"× {p} ranks × {v} stage(s); cut at {cuts} ({how}): {shown}"
+            f"{IMPL}: {schedule}, {microbatches} micro-batches, {mesh.dp} pipeline(s) × {mesh.p} ranks × "
+            f"{mesh.v} stage(s); cut at {cuts} ({how}): {shown}"
         )
-    # One example forward of the whole model on the device gives every stage its shapes; then only this
-    # rank's stages stay there.
-    examples = stage_examples(model.to(device), bounds, example, cfg, device)
-    model.to("cpu")
+    examples = stage_examples(model, bounds, example, device, precision)
     stage_modules = {
         s: BlockModel(OrderedDict(blocks[slice(*bounds[s])])).to(device) for s in sorted(mesh.my_stages)
     }
     for module in stage_modules.values():
-        module.activation_checkpointing = cfg.activation_checkpointing
-    # What each pipeline rank holds: a checkpoint's stage files fit only the same layout.
-    by_rank = [sorted(stage_indices(options.schedule, r, p, v)) for r in range(p)]
-    layout = [[name for s in held for name, _ in blocks[slice(*bounds[s])]] for held in by_rank]
-    return stage_modules, examples, layout
-
-
-@torch.no_grad()
-def stage_examples(
-    model: BlockModel,
-    bounds: list[tuple[int, int]],
-    example: torch.Tensor,
-    cfg: RunConfig,
-    device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each stage's input and output for one micro-batch `example` (their shapes and dtypes are what
-    count), from one forward of the whole model on this rank. Given to PipelineStage, they spare it its
-    own shape inference at the first step: a train-mode forward of a real micro-batch on stage 0 and of
-    uninitialised tensors on the others, which updates BatchNorm's running statistics once more than
-    single does. Here in eval mode: BatchNorm reads its statistics and writes none. On the run's device
-    and under its autocast, so that dtypes are those the stages will send; marked as requiring gradients
-    where training's would (every activation but the data), so that each stage expects its gradient."""
-
-    def as_in_training(tensor: torch.Tensor, is_activation: bool) -> torch.Tensor:
-        return tensor.detach().requires_grad_(is_activation and tensor.is_floating_point())
-
-    blocks = list(model.children())
-    model.eval()
-    examples, x = [], example.to(device)
-    with autocast(cfg, device):
-        for first, end in bounds:
-            stage_input = x
-            for block in blocks[first:end]:
-                x = block(x)
-            examples.append((as_in_training(stage_input, first > 0), as_in_training(x, True)))
-    model.train()
-    return examples
-
-
-def build_schedule(
-    stage_modules: dict[int, BlockModel],
-    examples: list[tuple[torch.Tensor, torch.Tensor]],
-    mesh: PipelineMesh,
-    options: PipelineOptions,
-    device: torch.device,
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[list[TimedStage], PipelineScheduleSingle | PipelineScheduleMulti]:
-    """This rank's PipelineStages (each timing its own work: the bubble) and the schedule that runs them,
-    `loss` on the last stage's micro-batches."""
-    n_stages, pp_group, my_stages = mesh.n_stages, mesh.pp_group, mesh.my_stages
-    timeline = ScheduleTimeline(device)  # this rank's work in a step, each stage's put on it (report)
+        module.activation_checkpointing = activation_checkpointing
     stages = [  # in the schedule's order for this rank
-        TimedStage(stage_modules[s], s, n_stages, device, *examples[s], group=pp_group, timeline=timeline)
-        for s in my_stages
+        wrap_stage(
+            PipelineStage(stage_modules[s], s, mesh.n_stages, device, *examples[s], group=mesh.pp_group)
+        )
+        for s in mesh.my_stages
     ]
     # The schedule sums the micro-batches' gradients. scale_grads=False: it would then divide them by M,
     # which the loss's divisor (the global batch's scored targets, GlobalBatchMean) has already done.
-    schedule = SCHEDULES[options.schedule](
-        stages[0] if options.schedule in ONE_STAGE_PER_RANK else stages,
-        n_microbatches=options.microbatches,
+    loss = GlobalBatchMean()
+    built = SCHEDULES[schedule](
+        stages[0] if schedule in ONE_STAGE_PER_RANK else stages,
+        n_microbatches=microbatches,
         loss_fn=loss,
         scale_grads=False,
     )
-    return stages, schedule
+    # What each pipeline rank holds (the record's layout)
+    by_rank = [sorted(stage_indices(schedule, r, mesh.p, mesh.v)) for r in range(mesh.p)]
+    layout = [[name for s in held for name, _ in blocks[slice(*bounds[s])]] for held in by_rank]
+    held = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
+    return Pipeline(held, stage_modules, built, loss, examples, layout, mesh.n_stages, device)
 
 
 class GlobalBatchMean:
@@ -290,265 +286,18 @@ class GlobalBatchMean:
         return loss_sum(logits, targets) / self.scored
 
 
-def run_schedule(
-    schedule: PipelineScheduleSingle | PipelineScheduleMulti,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    mesh: PipelineMesh,
-    cfg: RunConfig,
-    device: torch.device,
-    in_schedule: IntervalTimer,
-    saved_activations: SavedActivations,
-    timeline: ScheduleTimeline,
-    step: int,
-) -> list[torch.Tensor]:
-    """One step of the schedule on this rank's stages, batch (x, y) cut into micro-batches: the first
-    stage takes x, the last y. Returns each micro-batch's loss on the rank with the last stage (none
-    elsewhere). Timed (`in_schedule`, and each stage's work on the `timeline` of step `step`), and the
-    activations autograd saves for backward counted."""
-    saved_activations.at_step_start = saved_activations.live
-    micro_losses: list[torch.Tensor] = []  # filled on the rank with the last stage
-    has_first, has_last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
-    inputs = (x.to(device),) if has_first else ()
-    targets = {"target": y.to(device), "losses": micro_losses} if has_last else {}
-    held = torch.autograd.graph.saved_tensors_hooks(saved_activations.pack, saved_activations.unpack)
-    with timeline.step(step), in_schedule.measure(), held, autocast(cfg, device):
-        schedule.step(*inputs, **targets)
-    return micro_losses
-
-
-def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], dp_group: dist.ProcessGroup) -> None:
-    """Sum each gradient over the pipelines (the same stages, other data), once per step after the
-    schedule's last backward: each pipeline's loss is its part of the global batch's mean, so the sum is
-    the global batch's gradient. (DDP-wrapped stages would do this overlapped, but in torch 2.13 they fail
-    with every schedule but 1F1B: `rebuilt parameter indices size is not same as original model
-    parameters size`, DDP's reducer seeing a stage's backward run once per micro-batch.)"""
-    for parameter in parameters:
+def sync_pipelines(model: torch.nn.Module, dp_group: dist.ProcessGroup) -> None:
+    """After the schedule, the `dp_group` pipelines (same stages, other data) made one: each gradient
+    summed over them (each pipeline's loss is its part of the global batch's mean), BatchNorm's statistics
+    the first pipeline's (as DDP takes rank 0's). (DDP-wrapped stages would sum overlapped, but in torch
+    2.13 they fail with every schedule but 1F1B: "rebuilt parameter indices size is not same as original
+    model parameters size", DDP's reducer seeing a stage's backward run once per micro-batch.)"""
+    for parameter in model.parameters():
         if parameter.grad is not None:  # (frozen, or not reached by the loss: no gradient on any pipeline)
             dist.all_reduce(parameter.grad, group=dp_group)
-
-
-def broadcast_buffers(model: torch.nn.Module, dp_group: dist.ProcessGroup) -> None:
-    """BatchNorm's running statistics: the first pipeline's, on every pipeline (each updated its own on
-    its own data). DDP does the same with rank 0's at every forward; evaluation, checkpoints and the
-    final state_dict then agree whichever pipeline they come from."""
     source = dist.get_global_rank(dp_group, 0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=source, group=dp_group)
-
-
-@torch.no_grad()
-def evaluate_stages(
-    stage_modules: dict[int, BlockModel],
-    owner: list[int],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    cfg: RunConfig,
-    device: torch.device,
-    group: dist.ProcessGroup,
-) -> torch.Tensor:
-    """[loss_sum, correct, count] over `batches`, each batch forward through every stage in order (no
-    schedule: nothing to overlap without backward). Activations go to the next stage's rank by point-to-
-    point send/recv, or stay here when this rank holds that stage too; the last stage's rank scores."""
-    me, last = dist.get_rank(), len(owner) - 1
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for module in stage_modules.values():
-        module.eval()
-    for x, y in batches:
-        kept = None  # an activation for a stage this rank also holds
-        for s, module in stage_modules.items():  # in stage order
-            if s == 0:
-                inputs = x.to(device)
-            elif owner[s - 1] == me:
-                inputs = kept
-            else:
-                inputs = recv_tensor(owner[s - 1], device, group)
-            with autocast(cfg, device):
-                outputs = module(inputs)
-            if s == last:
-                totals += score(outputs, y.to(device))
-            elif owner[s + 1] == me:
-                kept = outputs
-            else:
-                send_tensor(outputs, owner[s + 1], group)
-    for module in stage_modules.values():
-        module.train()
-    return totals
-
-
-# The checkpoint: an index step-N.pt (step, record, options, layout, the stage files' hashes) that
-# names a complete checkpoint, and beside it one file per pipeline rank with its stages.
-def stage_file(index_path: Path, pp_rank: int) -> Path:
-    """Where pipeline rank `pp_rank` writes its stages' part of checkpoint `index_path` (step-N.pt)."""
-    return index_path.with_name(f"{index_path.stem}.pipeline-rank{pp_rank}.pt")
-
-
-def save_stage_checkpoint(
-    cfg: RunConfig,
-    done: int,
-    n_steps: int,
-    record: RunRecord,
-    mesh: PipelineMesh,
-    layout: list[list[str]],
-    model: BlockModel,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-) -> None:
-    """Each pipeline rank of the first pipeline writes its stages (replicas hold the same); after a
-    barrier, rank 0 writes the index that makes the set complete: a crash before it leaves the previous
-    checkpoint the newest one."""
-    index = checkpoint_path(cfg.checkpoint_dir, done)
-    if mesh.dp_rank == 0:
-        held = {"model": unwrap_state_dict(model), "optimizer": optimizer.state_dict()}
-        save_checkpoint(stage_file(index, mesh.pp_rank), held)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        stage_files = [stage_file(index, r) for r in range(mesh.p)]
-        state = checkpoint_state(
-            cfg,
-            done,
-            n_steps,
-            record,
-            stages_by_rank=layout,
-            # ties each stage file to this index: a resume checks them before loading
-            stage_sha256={f.name: file_sha256(f) for f in stage_files},
-            scaler=scaler.state_dict(),
-        )
-        save_checkpoint(index, state)
-
-
-def load_stage_checkpoint(
-    path: Path, cfg: RunConfig, n_steps: int, layout: list[list[str]], pp_rank: int, is_main: bool
-) -> tuple[dict, dict]:
-    """The index `path` (checked: this run's, the same stages on each rank, every stage file the one
-    written for it) and this rank's stages' file beside it: (index, {"model", "optimizer"})."""
-    with exit_on_bad_input(IMPL, say=is_main):  # every rank finds it; rank 0 says it, once
-        state = load_checkpoint(path, cfg, n_steps, holds=("stages_by_rank", "scaler"))
-        if state["stages_by_rank"] != layout:  # the same stages on each rank
-            raise CheckpointError(
-                f"checkpoint {path} holds stages {state['stages_by_rank']}, this run {layout}"
-            )
-        # Every stage file as written for this index (not one left by a crash or copied from
-        # another run), checked by every rank before any loads.
-        check_listed_files(path, path.parent, state.get("stage_sha256", {}), whole_folder=False)
-    try:
-        mine = torch.load(stage_file(path, pp_rank), map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        fail(str(exc), IMPL)
-    return state, mine
-
-
-def save_final_state(
-    path: str, model: BlockModel, core_keys: list[str], world_size: int, is_main: bool
-) -> None:
-    """Rank 0 gathers every stage into the full fp32 state_dict (core keys, core order) and writes it."""
-    gathered = gather_to_rank0(unwrap_state_dict(model), world_size)
-    if is_main:
-        merged = {k: v for held in gathered for k, v in held.items()}  # replicas hold equal copies
-        save_checkpoint(path, {k: merged[k] for k in core_keys})
-
-
-def record_the_bubble(
-    record: RunRecord,
-    stages: list[TimedStage],
-    in_schedule: IntervalTimer,
-    saved_activations: SavedActivations,
-    world_size: int,
-    is_main: bool,
-) -> None:
-    """Each rank's activations held for backward, busy share of its time in the schedule and timeline
-    of one step (its stages' work, ScheduleTimeline), gathered to rank 0 into the record; the bubble is
-    the idle share."""
-    busy_s, schedule_s = sum(stage.busy.seconds() for stage in stages), in_schedule.seconds()
-    measured = gather_to_rank0(
-        {
-            "activations": saved_activations.peak,
-            "busy_fraction": busy_s / schedule_s if schedule_s else None,
-            "timeline": stages[0].timeline.result(),  # (one timeline per rank, shared by its stages)
-        },
-        world_size,
-    )
-    if is_main:
-        busy = [m["busy_fraction"] for m in measured]
-        record.add_strategy_facts(
-            busy_fraction=busy,
-            peak_activation_bytes=[m["activations"] for m in measured],
-            timeline=[m["timeline"] for m in measured],
-        )
-        if all(b is not None for b in busy):
-            record.set_bubble_fraction(1 - sum(busy) / len(busy))
-
-
-def schedule_order(
-    schedule: PipelineScheduleSingle | PipelineScheduleMulti, mesh: PipelineMesh, options: PipelineOptions
-) -> list[Action]:
-    """This rank's work in a step, in order, as (kind, stage, micro-batch): "F" forward, "B" full backward, "I" and
-    "W" a backward split into its input- and weight-gradient passes. The multi-stage schedules hold it
-    (`pipeline_order`; DualPipeV's overlapped forward-backward pairs as their parts); GPipe and 1F1B
-    follow their rule (distref.cost.activations.one_stage_order)."""
-    if isinstance(schedule, PipelineScheduleSingle):
-        stage = mesh.my_stages[0]
-        return one_stage_order(options.schedule, options.microbatches, mesh.n_stages, stage)
-    order = []
-    for action in schedule.pipeline_order[mesh.pp_rank]:
-        for part in (action.sub_actions or (action,)) if action is not None else ():
-            order.append((part.computation_type.value, part.stage_index, part.microbatch_index))
-    return order
-
-
-def pipeline_cost(
-    model: BlockModel,
-    cfg: RunConfig,
-    info: DatasetInfo,
-    mesh: PipelineMesh,
-    schedule: PipelineScheduleSingle | PipelineScheduleMulti,
-    examples: list,
-    bounds: list[tuple[int, int]],
-    micro_batch: int,
-) -> Predicted:
-    """What this rank costs by formula (distref.cost): each boundary of its stages with a stage on another
-    rank crossed twice per micro-batch (the activation forward, its gradient back: `examples`' outputs'
-    bytes), and with --dp its parameters' gradients all-reduced and buffers broadcast over the pipelines;
-    the model states of its stages (gradients and optimizer state of the parameters that receive a
-    gradient); the activations its stages hold at once in the schedule's order."""
-    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
-    trained = usage.trained_flags(model.named_parameters())
-    communication = model_states = None
-    if not usage.unknown:
-        communication = pipeline_communication(
-            [out.numel() * out.element_size() for _, out in examples[:-1]],
-            mesh.my_stages,
-            mesh.owner,
-            cfg.strategy.microbatches,
-            parameter_bytes=[size for size, t in zip(parameter_bytes, trained, strict=True) if t],
-            buffer_bytes=[b.numel() * b.element_size() for b in model.buffers()],
-            dp=cfg.strategy.dp,
-        )
-        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
-    # The activations held at once: each stage's per micro-batch, forwards adding and backwards freeing
-    # them in the schedule's order of work on this rank
-    order = schedule_order(schedule, mesh, cfg.strategy)
-    activations = pipeline_rank(
-        cfg.model,
-        info,
-        cfg.gpt_layers,
-        bounds,
-        order,
-        micro_batch,
-        cfg.precision,
-        cfg.activation_checkpointing,
-    )
-    return Predicted(
-        communication=communication,
-        model_states=model_states,
-        activations=activations,
-        unavailable={
-            "communication": usage.unknown,
-            "model_states": usage.unknown,
-            "activations": no_formula(cfg.model, cfg.precision)
-            or (f"no order of work known for --schedule {cfg.strategy.schedule}" if order is None else None),
-        },
-    )
 
 
 # --- end PIPELINE strategy ---
@@ -564,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world_size, device, backend = start_process_group(cfg)
     options = cfg.strategy
     n_micro, dp = options.microbatches, options.dp
-    mesh = pipeline_mesh(device, options, world_size)
+    mesh = pipeline_mesh(device, world_size, dp=dp, schedule=options.schedule, v=options.stages_per_rank)
     is_main = rank == 0  # rank 0 writes the record, the checkpoint index and the final state_dict
     # --- end PIPELINE ---
 
@@ -581,13 +330,24 @@ def main(argv: list[str] | None = None) -> dict:
     # The cuts: --partition, else those balancing the parameters of the blocks of the model built.
     cuts = choose_cut_points(block_sizes(model), options.partition, mesh.n_stages)[0]
     core_keys = list(model.state_dict())  # the final state_dict keeps the core model's keys, in order
-    core_blocks = len(list(model.children()))  # (its blocks, for the activations' formula)
+    bounds = part_bounds(cuts, len(list(model.children())))  # each stage's blocks (the cost's formulas)
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
-    stage_modules, examples, layout = cut_into_stages(model, cuts, cfg, mesh, micro_batch, device, is_main)
-    model = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
-    loss = GlobalBatchMean()  # the schedule's loss_fn; its divisor set at each step
-    stages, schedule = build_schedule(stage_modules, examples, mesh, options, device, loss)
-    saved_activations = SavedActivations(model.parameters())
+    meter = StageMeter(device)  # its stages' busy time (the bubble), activations held, a step's timeline
+    pipeline = apply_pipeline(
+        model,
+        mesh,
+        cuts=cuts,
+        schedule=options.schedule,
+        microbatches=n_micro,
+        example=micro_batch,
+        device=device,
+        precision=cfg.precision,
+        activation_checkpointing=cfg.activation_checkpointing,
+        wrap_stage=meter.wrap,
+        say=is_main,
+        cuts_given=options.partition is not None,
+    )
+    model = pipeline.model  # this rank's blocks
     optimizer = make_optimizer(cfg, model.parameters())  # --- PIPELINE: this rank's parameters
     # --- end PIPELINE ---
     scaler = make_grad_scaler(cfg, device)
@@ -602,16 +362,21 @@ def main(argv: list[str] | None = None) -> dict:
         dp=dp,
         stages=mesh.n_stages,
         cut_points=cuts,
-        stages_by_rank=layout,
+        stages_by_rank=pipeline.layout,
     )
 
     # ---- Resume: model, optimizer, scaler, RNG, record; the data order and lr follow the step ---
     start_step = 0
     if (path := resume_path(cfg)) is not None:
-        # --- PIPELINE: the index names a complete checkpoint; each rank reads its own stages' file
-        state, mine = load_stage_checkpoint(path, cfg, n_steps, layout, mesh.pp_rank, is_main)
-        model.load_state_dict(mine["model"])  # --- PIPELINE: this rank's stages
-        optimizer.load_state_dict(mine["optimizer"])
+        # --- PIPELINE: the index (step-N.pt) names a complete checkpoint, the folder step-N/ beside it
+        # (torch.distributed.checkpoint), keyed by parameter name: each rank reads its stages' parameters
+        # and optimizer state, whichever rank held them before (a changed cut or --dp loads too).
+        with exit_on_bad_input(IMPL, say=is_main):  # every rank finds it; rank 0 says it, once
+            state = load_checkpoint(
+                path, cfg, n_steps, holds=("folder", "sha256", "scaler", "stages_by_rank")
+            )
+            load_sharded_checkpoint(model, optimizer, path, state, by_parameter_name=True)
+        # --- end PIPELINE ---
         scaler.load_state_dict(state["scaler"])
         start_step = resume_step(state, path, record, IMPL, say=is_main)  # --- PIPELINE: said once
 
@@ -622,7 +387,6 @@ def main(argv: list[str] | None = None) -> dict:
     batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank=mesh.dp_rank, world_size=dp))
     log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {options.schedule}")
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
-    in_schedule = IntervalTimer(device)  # --- PIPELINE: time in the schedule, from the second step on
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
     with log, profiler(cfg, rank=rank) as prof:  # --- PIPELINE: one trace per rank
@@ -634,21 +398,14 @@ def main(argv: list[str] | None = None) -> dict:
             # The step's loss is the mean over every scored target of the whole global batch: each
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
-            loss.scored = scored_targets(train_set, cfg, step)  # --- PIPELINE: of every pipeline's batch
+            scored = scored_targets(train_set, cfg, step)  # --- PIPELINE: of every pipeline's batch
             # --- PIPELINE: the schedule runs every micro-batch's forward and backward on this rank's
             # stages, sending activations and their gradients to the neighbouring stages.
             x, y = next(batches)
-            if step == start_step + 1:  # the bubble and activations: measured from the second step
-                # (the bubble's timers leave out the step distref.training.traffic counts: slower)
-                for timer in (in_schedule, *(stage.busy for stage in stages)):
-                    timer.reset()
-                saved_activations.peak = 0
-            micro_losses = run_schedule(
-                schedule, x, y, mesh, cfg, device, in_schedule, saved_activations, stages[0].timeline, step
-            )
-            if dp > 1:
-                all_reduce_gradients(model.parameters(), mesh.dp_group)
-                broadcast_buffers(model, mesh.dp_group)
+            with meter.step(step), autocast(cfg, device):
+                micro_losses = pipeline.step(x, y, scored)  # (on the last stage's rank; none elsewhere)
+            if dp > 1:  # the pipelines' gradients summed, the first one's BatchNorm statistics
+                sync_pipelines(model, mesh.dp_group)
             step_loss = torch.zeros((), device=device)
             for micro_loss in micro_losses:  # --- PIPELINE: summed as single --grad-accum M sums
                 step_loss += micro_loss.detach()
@@ -676,23 +433,47 @@ def main(argv: list[str] | None = None) -> dict:
                 # --- PIPELINE: each pipeline scores its share of the test set through its stages;
                 # the totals are summed over every rank (only the last stages' are non-zero)
                 shard = eval_batches(test_set, rank=mesh.dp_rank, world_size=dp)
-                totals = evaluate_stages(stage_modules, mesh.owner, shard, cfg, device, mesh.pp_group)
+                totals = evaluate_stages(
+                    pipeline.stage_modules, mesh.owner, shard, device, cfg.precision, mesh.pp_group
+                )
                 dist.all_reduce(totals)
                 log.evaluated(due.done, totals, started)
-            if due.checkpoint:  # --- PIPELINE: stage files, then the index that makes them a checkpoint
-                save_stage_checkpoint(cfg, due.done, n_steps, record, mesh, layout, model, optimizer, scaler)
+            if due.checkpoint:  # --- PIPELINE: each rank its stages' part (DCP), rank 0 the index
+                index = checkpoint_path(cfg.checkpoint_dir, due.done)
+                state = checkpoint_state(
+                    cfg, due.done, n_steps, record, stages_by_rank=pipeline.layout, scaler=scaler.state_dict()
+                )
+                save_sharded_checkpoint(model, optimizer, index, state, is_main, by_parameter_name=True)
 
     if cfg.save_final:  # --- PIPELINE: every rank's stages into the core model's full state_dict
-        save_final_state(cfg.save_final, model, core_keys, world_size, is_main)
-    # --- PIPELINE: each rank's activations held for backward, busy share of its time in the schedule
-    # (the bubble is the idle share) and timeline of one step, then its memory and model state
-    record_the_bubble(record, stages, in_schedule, saved_activations, world_size, is_main)
-    # --- PIPELINE: every rank's memory and model states (its stages'), beside the formulas', and what its
-    # counted step communicated and held for backward beside the formulas' (pipeline_cost), to rank 0
-    bounds = part_bounds(cuts, core_blocks)
-    predicted = pipeline_cost(model, cfg, info, mesh, schedule, examples, bounds, len(micro_batch))
-    held = saved_activations.peak  # (the stages' own saved-tensor hooks hide the step's from traffic's)
-    finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted, held)
+        save_whole_state(cfg.save_final, unwrap_state_dict(model), world_size, core_keys)
+    # --- PIPELINE: each rank's busy share of its time in the schedule (the bubble is the idle share),
+    # activations held for backward and timeline of one step, to rank 0's record
+    record.add_schedule_measurements(meter.gathered(world_size))
+    # --- PIPELINE: what this rank's counted step communicated, its model states (its stages') and the
+    # activations it held, beside the formulas' (distref.cost), to rank 0
+    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    order = work_order(
+        pipeline.schedule, mesh.pp_rank, options.schedule, n_micro, mesh.n_stages, mesh.my_stages[0]
+    )
+    predicted = pipeline_rank_cost(  # --- PIPELINE: each boundary's bytes (the stage examples' outputs)
+        [output.numel() * output.element_size() for _, output in pipeline.examples[:-1]],
+        mesh.my_stages,
+        mesh.owner,
+        n_micro,
+        parameters=parameters_of(model.named_parameters(), usage),
+        buffer_bytes=[b.numel() * b.element_size() for b in model.buffers()],
+        dp=dp,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        # --- PIPELINE: the activations its stages hold at once in the schedule's order of work
+        activations=pipeline_rank_activations(cfg, info, bounds, order, len(micro_batch), options.schedule),
+    )
+    # (the stages' own saved-tensor hooks hide the step's activations from distref.training.traffic's)
+    finish_record(
+        record, cfg.global_batch_size, state_bytes, world_size, predicted, meter.peak_activation_bytes
+    )
     if is_main:
         print_summary(record.data)
     return record.data
@@ -700,66 +481,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 # ---- The command line: the core options (distref.cli) and the pipeline's own ----------------------
 # --- PIPELINE: its options, parsed once into PipelineOptions (cfg.strategy) ---
-def add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="the pipeline schedule")
-    parser.add_argument(
-        "--microbatches",
-        metavar="M",
-        type=positive_int,
-        default=4,
-        help="micro-batches per step and pipeline; must divide the pipeline's batch",
-    )
-    parser.add_argument(
-        "--stages-per-rank",
-        metavar="V",
-        type=positive_int,
-        help="stages each rank holds (default: 1 for gpipe/1f1b, 2 for the others)",
-    )
-    parser.add_argument(
-        "--dp",
-        metavar="N",
-        type=positive_int,
-        default=1,
-        help="pipelines side by side (data parallel): ranks = N × ranks per pipeline",
-    )
-    parser.add_argument(
-        "--partition",
-        metavar="CUTS",
-        help="block indices where the model is cut into its p×V stages, e.g. 2 or 1,2,3; "
-        "default: the cut balancing parameter counts",
-    )
-
-
-def microbatch_problem(schedule: str, m: int, p: int, n_stages: int) -> str | None:
-    """What torch 2.13's schedule constructors would raise for M micro-batches and p ranks, said before
-    any process starts (a test checks these against the constructors themselves)."""
-    if schedule == "1f1b" and m < p:
-        return (
-            f"--schedule 1f1b needs --microbatches >= the {p} stages (each starts backward after p forwards)"
-        )
-    if schedule.startswith("interleaved") and m % (rounds := max(1, m // p)):
-        return (
-            f"--schedule {schedule} needs --microbatches {m} to be a multiple of its {rounds} rounds (M // p)"
-        )
-    if schedule == "dualpipev" and m < n_stages:
-        return f"--schedule dualpipev needs --microbatches >= its {n_stages} stages"
-    return None
+add_options = add_options_for(PipelineOptions)  # PipelineOptions' fields, each its --option
 
 
 def check_options(cfg: RunConfig, world_size: int) -> str | None:
     options = cfg.strategy
-    schedule, m, dp, v = options.schedule, options.microbatches, options.dp, stages_per_rank(options)
+    schedule, m, dp = options.schedule, options.microbatches, options.dp
+    v = options.stages_per_rank or default_stages_per_rank(schedule)
     if world_size % dp:
         return f"--dp {dp} must divide the {world_size} ranks (ranks = pipelines × stage ranks)"
     p = world_size // dp
     if p < 2:
         return f"{world_size} ranks with --dp {dp} leave {p} rank per pipeline: a pipeline needs 2 or more"
-    if schedule in ONE_STAGE_PER_RANK and v != 1:
-        return f"--schedule {schedule} runs one stage per rank: for {v} use interleaved-1f1b or interleaved-zero-bubble"
-    if schedule not in ONE_STAGE_PER_RANK and v == 1:
-        return f"--schedule {schedule} needs 2 or more stages per rank (--stages-per-rank 2)"
-    if schedule in V_SHAPED and v != 2:
-        return f"--schedule {schedule} places exactly 2 stages per rank (a V), not {v}"
+    if problem := stages_per_rank_problem(schedule, v):
+        return problem
     if cfg.global_batch_size % (dp * m):
         return (
             f"--microbatches {m} must divide each pipeline's batch: --global-batch-size "
@@ -776,20 +511,28 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     return cut_problem(cfg, options.partition, p * v) or microbatch_problem(schedule, m, p, p * v)
 
 
+def resolved(cfg: RunConfig) -> RunConfig:
+    """--stages-per-rank not given: the schedule's default (1 for gpipe and 1f1b, 2 for the others)."""
+    v = cfg.strategy.stages_per_rank or default_stages_per_rank(cfg.strategy.schedule)
+    return dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, stages_per_rank=v))
+
+
 def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:
     """The command line, checked (one line and exit 2 on bad input, before any rank exists). Every stage
     rank sees its pipeline's whole batch: check_options splits it over --dp and micro-batches."""
-    return parse_config(
-        argv,
-        IMPL,
-        add_options,
-        world_size,
-        check_options,
-        description=__doc__,
-        distributed=True,
-        splits_batch=False,
-        strategy_options=PipelineOptions,
-        cuts_model=True,  # (a model of yours must be a sequence of blocks: check_options)
+    return resolved(
+        parse_config(
+            argv,
+            IMPL,
+            add_options,
+            world_size,
+            check_options,
+            description=__doc__,
+            distributed=True,
+            splits_batch=False,
+            strategy_options=PipelineOptions,
+            cuts_model=True,  # (a model of yours must be a sequence of blocks: check_options)
+        )
     )
 
 

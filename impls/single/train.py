@@ -12,10 +12,9 @@ import torch
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
-from distref.cost import Predicted
 from distref.cost.activations import no_formula, predicted_for_run
-from distref.cost.memory import replicated
-from distref.cost.usage import model_usage
+from distref.cost.memory import one_process_cost
+from distref.cost.usage import model_usage, parameters_of
 from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
 from distref.models import build_model
 from distref.record import RunRecord, print_summary
@@ -128,17 +127,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Model states (a full replica: gradients and optimizer state of the parameters that receive a
     # gradient) and activations by formula (distref.cost), beside the measured ones; one process
     # communicates nothing
-    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
     usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
-    model_states = None
-    if not usage.unknown:
-        trained = usage.trained_flags(model.named_parameters())
-        model_states = replicated(parameter_bytes, cfg.optimizer, torch.get_default_dtype().itemsize, trained)
-    predicted = Predicted(
-        communication={},
-        model_states=model_states,
-        activations=predicted_for_run(cfg, info),
-        unavailable={"model_states": usage.unknown, "activations": no_formula(cfg.model, cfg.precision)},
+    predicted = one_process_cost(
+        parameters_of(model.named_parameters(), usage),
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+        activations=(predicted_for_run(cfg, info), no_formula(cfg.model, cfg.precision)),
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from distref.config import (
     DATASETS,
@@ -21,7 +22,6 @@ from distref.config import (
     MODELS,
     PARSE_TIMES,
     ROOTED_DATASETS,
-    FactoryError,
     Launch,
     OneLineErrorParser,
     RunConfig,
@@ -29,7 +29,6 @@ from distref.config import (
     exit_after_rank_0_spoke,
     fail,
     file_problem,
-    first_line,
     folder_problem,
     fraction,
     is_factory,
@@ -41,10 +40,11 @@ from distref.config import (
     under_torchrun,
     uses_cuda,
 )
-from distref.data.datasets import sample_batch, train_set_size
+from distref.data.datasets import train_set_size
 from distref.data.tensors import DataError
 from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
 from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
+from distref.your_model import own_code_problem
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -228,6 +228,25 @@ def build_parser(
     if add_options is not None:
         add_options(parser.add_argument_group(f"{impl} options"))
     return parser
+
+
+def option(help: str, **settings: Any) -> Any:
+    """A field of an impl's options dataclass (`RunConfig.strategy`) declared with its command-line option:
+    `--<field name>` (underscores as dashes), its `help` and argparse's other `settings` (metavar, type,
+    action, choices, default); not given, the field is `default` (None unless set). `add_options_for`
+    turns the dataclass into the impl's `add_options`."""
+    return dataclasses.field(default=settings.get("default"), metadata={"help": help, **settings})
+
+
+def add_options_for(options: type) -> Callable[[argparse.ArgumentParser], None]:
+    """The `add_options` (`build_parser`) of an options dataclass whose fields are `option`s: each field's
+    option, in the fields' order."""
+
+    def add_options(parser: argparse.ArgumentParser) -> None:
+        for field in dataclasses.fields(options):
+            parser.add_argument("--" + field.name.replace("_", "-"), **field.metadata)
+
+    return add_options
 
 
 LAUNCH_OPTIONS = (
@@ -438,48 +457,6 @@ def validate(cfg: RunConfig, world_size: int = 1, cuts_model: bool = False) -> s
         return (
             f"--out {cfg.out} already holds a record.json; choose another --out, or continue that run "
             "with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
-        )
-    return None
-
-
-def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
-    """A model or dataset of your own (MODULE:FUNCTION), tried before any rank starts: each imports, the
-    dataset holds (input, target) pairs, the model is an nn.Module whose forward takes a few of the
-    dataset's inputs and gives logits the loss takes with their targets. With --activation-checkpointing
-    (in an impl that does not cut the model itself) the model is an nn.Sequential: what recomputes block
-    by block. Models that are cut (model_parallel, pipeline) are checked further by the impl
-    (distref.distributed.partition.cut_problem)."""
-    import torch
-
-    from distref.models import BlockModel, build_model
-    from distref.training.steps import loss_sum
-
-    try:
-        x, y, info = sample_batch(cfg)
-        model = build_model(cfg.model, info, cfg.gpt_layers)
-    except (DataError, FactoryError, ValueError) as exc:
-        return str(exc)
-    on = f"--model {cfg.model} on --dataset {cfg.dataset}"
-    try:
-        with torch.no_grad():
-            logits = model.eval()(x)
-            loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
-    except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
-        return (
-            f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
-            f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line(exc)}"
-        )
-    if not torch.isfinite(loss):
-        return f"{on}: the loss of a first batch is {loss.item()}"
-    if logits.shape[-1] < info.num_classes:  # (the first batch may not hold the largest target)
-        return (
-            f"{on}: the targets go up to {info.num_classes - 1}, but the model gives {logits.shape[-1]} "
-            "logits (one per class)"
-        )
-    if cfg.activation_checkpointing and not cuts_model and not isinstance(model, BlockModel):
-        return (
-            f"--activation-checkpointing recomputes the blocks of an nn.Sequential; {cfg.model} returns a "
-            f"{type(model).__name__}: build it as an nn.Sequential of blocks, or drop the option"
         )
     return None
 

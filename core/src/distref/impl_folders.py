@@ -37,16 +37,51 @@ def load_train_module(train: Path):
     return module
 
 
+class TrainAPI:
+    """What the tools (compare, parity, ranks, simulate, plan) may use of an impl's train.py: the names its
+    pyproject.toml declares in [tool.distref] `tools_call`, and nothing else. A train.py is a script users
+    copy and change: the list says what it must keep for the tools, and a tool reaching for anything else
+    fails at once, naming the list, instead of depending on it unseen (core/tests/test_tool_api.py holds
+    the tools to the lists)."""
+
+    def __init__(self, train: Path):
+        with open(train.parent / "pyproject.toml", "rb") as f:
+            settings = tomllib.load(f).get("tool", {}).get("distref", {})
+        self._train, self._declared = train, tuple(settings.get("tools_call", ()))
+        self._module = load_train_module(train)
+        if missing := [name for name in self._declared if not hasattr(self._module, name)]:
+            raise SystemExit(
+                f"distref: error: {train} does not define {', '.join(missing)}, which its pyproject.toml "
+                "declares for the tools ([tool.distref] tools_call)"
+            )
+
+    def declares(self, name: str) -> bool:
+        return name in self._declared
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in self._declared:
+            raise AttributeError(
+                f"{self._train} does not declare {name!r} for the tools: they may use only "
+                f"{', '.join(self._declared) or 'nothing'} ([tool.distref] tools_call in its pyproject.toml)"
+            )
+        return getattr(self._module, name)
+
+
+def load_train_api(train: Path) -> TrainAPI:
+    """An impl's train.py as the tools may use it (`TrainAPI`)."""
+    return TrainAPI(train)
+
+
 def parse_as(train: Path, args: Sequence[str], ranks: int) -> RunConfig:
     """Parse `args` exactly as the impl's train.py does for `ranks` ranks (its `parse_options`: its own
     options, its checks, how its ranks share the batch): one line and exit 2 if bad."""
-    module = load_train_module(train)
-    if not hasattr(module, "parse_options"):
+    api = load_train_api(train)
+    if not api.declares("parse_options"):
         raise SystemExit(
-            f"distref: error: {train} has no parse_options(argv, world_size): every impl's train.py "
-            "defines one, for the tools to parse its command line (docs/adding-an-impl.md)"
+            f"distref: error: {train} declares no parse_options(argv, world_size) for the tools: every "
+            "impl's train.py defines one, listed in [tool.distref] tools_call (docs/adding-an-impl.md)"
         )
-    return module.parse_options(list(args), ranks)
+    return api.parse_options(list(args), ranks)
 
 
 def validate(train: Path, args: list[str], world_size: int, distributed: bool) -> RunConfig:

@@ -237,65 +237,6 @@ def own_model(spec: str) -> nn.Module:
     return model
 
 
-def tied_across_blocks(model: nn.Module) -> str | None:
-    """The first parameter that two blocks share (tied weights, or one block with parameters used twice),
-    in a few words, or None. Impls that split a model by its blocks (cut between ranks, sharded block by
-    block) would hold two copies of it, trained apart; this project's models tie none."""
-    owner: dict[int, tuple[str, str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        block = name.split(".")[0]
-        first_block, first_name = owner.setdefault(id(parameter), (block, name))
-        if first_block != block:
-            return f"{first_name} and {name} are one parameter, in two blocks ({first_block}, {block})"
-    return None
-
-
-def own_model_tied_across_blocks(name: str) -> str | None:
-    """`tied_across_blocks` of a model of yours (built again: validate built and tried it first); None for
-    this project's."""
-    if not is_factory(name):
-        return None
-    try:
-        return tied_across_blocks(own_model(name))
-    except FactoryError:
-        return None  # (said by validate)
-
-
-@torch.no_grad()
-def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None:
-    """Why `model` is not an ordered sequence of blocks (its children, applied in order, giving its
-    forward), or None: what model parallelism and pipelines cut between ranks (each part runs its blocks
-    in order; whatever else the model's forward does would be lost without a word). Checked on a sample
-    batch, in eval mode (no BatchNorm statistics change, no dropout)."""
-    blocks = list(model.named_children())
-    if not blocks:
-        return f"a {type(model).__name__} with no child modules: nothing to cut into blocks"
-    if own := [name for name, _ in model.named_parameters(recurse=False)]:
-        return f"its parameters {', '.join(own)} belong to no block: put them in a block (a child module)"
-    was_training = model.training
-    model.eval()
-    try:
-        whole = model(sample)
-        x = sample
-        for _, block in blocks:
-            x = block(x)
-    except Exception as exc:
-        return f"applying its blocks in order fails ({type(exc).__name__}: {exc})"
-    finally:
-        model.train(was_training)
-    if (
-        not isinstance(whole, torch.Tensor)
-        or x.shape != whole.shape
-        or not torch.allclose(x, whole, rtol=1e-5, atol=1e-6)
-    ):
-        names = ", ".join(name for name, _ in blocks)
-        return (
-            f"its forward is not its blocks ({names}) applied in order: an operation in forward (a ReLU, a "
-            "flatten) would be dropped when it is cut; make each one a block, e.g. an nn.Sequential"
-        )
-    return None
-
-
 def _build_model(name: str, info: DatasetInfo, gpt_layers: int) -> BlockModel:
     if name == "lenet":
         if info.input_shape != (1, 28, 28):

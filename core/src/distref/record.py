@@ -267,6 +267,17 @@ class RunRecord:
         """The share of the run a pipeline's stages sat idle (report column; null for other strategies)."""
         self.data["bubble_fraction"] = fraction
 
+    def add_schedule_measurements(self, measured: dict[str, Any] | None) -> None:
+        """A pipeline's schedule as every rank measured it (distref.distributed.stages.StageMeter.gathered:
+        None on the ranks that do not write the record): busy shares, activations held and timelines as
+        strategy facts, the bubble as the report's column."""
+        if measured is None:
+            return
+        facts = dict(measured)
+        if (bubble := facts.pop("bubble_fraction")) is not None:
+            self.set_bubble_fraction(bubble)
+        self.add_strategy_facts(**facts)
+
     def add_skipped_step(self, step: int) -> None:
         """Optimizer step `step` (numbered as in "steps") changed nothing: fp16's loss scaler found inf/nan
         in its gradients, skipped the update and lowered the scale. A few at the start are normal (the

@@ -3,8 +3,8 @@ model's formulas — the cost model checked at the world sizes users run (64, 51
 
 torch's fake process group (backend "fake", torch.testing._internal.distributed.fake_pg) plays one rank of
 a world of any size: every collective and send/recv returns at once and moves nothing, so the impl's own
-parallelization code (its `apply_*`, mesh and stage functions, loaded from impls/<impl>/train.py) runs
-unchanged for that rank, and one step's collectives are counted at the dispatcher as in a real run
+parallelization code (its `apply_*`, mesh and stage functions, those its pyproject.toml declares for the
+tools: distref.impl_folders.TrainAPI) runs unchanged for that rank, patched nowhere, and one step's collectives are counted at the dispatcher as in a real run
 (distref.training.traffic). The model is gpt (distref.models) of any shape (`GPTShape`, `PRESETS`: up to a
 7B-like decoder). Its tensors hold no data where the impl's code allows it (`TENSORS`), which decides what
 runs at real sizes:
@@ -16,9 +16,9 @@ runs at real sizes:
   run forward on meta parameters (FSDPParamGroup._validate_no_meta_params), and FSDP2 and DTensor on a
   "meta" device mesh find no device handle ("'NoneType' object has no attribute 'current_device'").
 - "meta" (the pipeline): fake parameters cannot be moved by Module.to (torch.utils.swap_tensors: "Cannot
-  swap t1 because it has weakref associated with it"), which the impl's cut_into_stages calls; meta ones
-  can, and the move back to the CPU after its example forward is skipped. The fake backend is registered
-  for "meta" too, for the schedule's batched send/recv.
+  swap t1 because it has weakref associated with it"), which the impl's apply_pipeline calls for each
+  block of its example forward (to the device and back where it was: for meta tensors, nowhere). The fake
+  backend is registered for "meta" too, for the schedule's batched send/recv.
 - "real", so small shapes only (DDP, DeepSpeed ZeRO): DDP's constructor reads the parameters' data
   (_verify_params_across_processes: "The tensor has a non-zero number of elements, but its data is not
   allocated yet"); DeepSpeed flattens their storage and reads the gradient norm with .item().
@@ -30,10 +30,11 @@ What the fake backend cannot play, and what is done instead (same calls, same by
   compression hooks (--comm-hook) are refused.
 - its recv delivers nothing: torch 2.13's pipeline schedules start with a vote among the stages
   (_warmup_p2p: each says whether its shapes are static, the product travels to the last stage and back),
-  which then comes out "dynamic", and the shape exchange that follows unpickles nothing. Every stage has
-  its shapes given (the impl's stage examples), as in a real run, where the vote comes out "static": that
-  outcome is set instead (`vote_static`; the vote's 2·(p−1) one-integer messages are in the first step
-  only). impls/model_parallel sends each tensor's shape before it: not simulated.
+  which then comes out "dynamic", and the shape exchange that follows unpickles nothing (nor has a meta
+  tensor an .item() to read the vote with). Every stage has its shapes given (the impl's stage examples),
+  as in a real run, where the vote comes out "static": each stage answers it so (`with_static_vote`, given
+  to apply_pipeline as its declared `wrap_stage` hook; the vote's 2·(p−1) one-integer messages are in
+  the first step only). impls/model_parallel sends each tensor's shape before it: not simulated.
 - its broadcast delivers nothing: DeepSpeed ZeRO-3 checks that every rank traced the same modules by
   broadcasting rank 0's list (assert_ints_same_as_other_ranks), which fails on any other rank. ZeRO-3 runs
   here as rank 0 only (its partitions are the same size on every rank).
@@ -49,8 +50,8 @@ shape's heads and, with sequence parallelism, its sequence are checked instead).
 and counts the last: distref.training.traffic counts a run's third, as DDP rebuilds its buckets after the
 first and ZeRO-3 records its trace in the first; FSDP2, DTensor and the pipeline schedules communicate the
 same from the first step on here. It measures the rank's model states (distref.training.measure: DTensors'
-local parts) and returns both beside what distref.cost predicts for the same shape and options, with the
-arguments each impl's train.py passes (its `*_cost`). The planner (`python -m distref.plan --simulate`)
+local parts) and returns both beside what distref.cost predicts for the same shape and options, by the
+function each impl's train.py calls (distref.cost's `*_cost`: one copy). The planner (`python -m distref.plan --simulate`)
 runs a preset through the chosen impl's sharding the same way.
 """
 
@@ -62,7 +63,6 @@ import dataclasses
 import math
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -70,18 +70,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor.parallel import loss_parallel
 
 from distref.config import RunConfig
 from distref.cost.counts import Counts, same
-from distref.cost.data_parallel import ddp as ddp_communication
-from distref.cost.memory import replicated
-from distref.cost.pipeline import pipeline as pipeline_communication
-from distref.cost.sharded import fsdp as fsdp_communication
-from distref.cost.sharded import fsdp_model_states
-from distref.cost.tensor_parallel import tensor_parallel, tensor_parallel_model_states
-from distref.cost.zero import zero_communication, zero_model_states
+from distref.cost.data_parallel import ddp_rank_cost
+from distref.cost.pipeline import pipeline_rank_cost
+from distref.cost.sharded import fsdp_rank_cost
+from distref.cost.tensor_parallel import tensor_parallel_cost
+from distref.cost.usage import Usage, model_usage, parameters_by_block, parameters_of
+from distref.cost.zero import zero_rank_cost
+from distref.data import DatasetInfo
 from distref.distributed.partition import choose_cut_points, named_block_sizes
-from distref.impl_folders import load_train_module
+from distref.impl_folders import load_train_api
 from distref.models import BlockModel, GPTConfig, gpt
 from distref.training.device import autocast, param_dtype
 from distref.training.measure import model_state_bytes, zero_model_state_bytes
@@ -299,7 +300,7 @@ def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, r
             )
         return None
     if impl == "pipeline":
-        stages = world_size // options.dp * module.stages_per_rank(options)
+        stages = world_size // options.dp * options.stages_per_rank
         cuts = math.comb(shape.layers + 1, stages - 1) if stages <= shape.layers + 2 else 0
         if options.partition is None and cuts > MAX_CUTS_TRIED:
             return (
@@ -344,7 +345,7 @@ def simulate(
     if impl not in TENSORS:
         why = " (distref.simulate's docstring says why)" if impl in NOT_SIMULATED else ""
         raise ValueError(f"no simulation for impl {impl!r}{why}; one of: {', '.join(TENSORS)}")
-    module = load_train_module(Path(impls_dir) / impl / "train.py")
+    module = load_train_api(Path(impls_dir) / impl / "train.py")  # what the impl declares for the tools
     own = strategy_options(module, impl, options)
     degree = data_parallel_degree(impl, module, own, world_size)
     steps = steps or (3 if impl in ("ddp", "deepspeed_zero") else 2)
@@ -362,7 +363,9 @@ def simulate(
         device="cpu",
         strategy=own,
     )
-    if hasattr(module, "resolved"):  # defaults that depend on the model (tensor_parallel: gpt's are on)
+    if module.declares(
+        "resolved"
+    ):  # defaults that depend on the model or schedule (tensor_parallel, pipeline)
         cfg = module.resolved(cfg)
     if problem := check(impl, module, cfg, shape, world_size, rank):
         raise ValueError(f"{impl} at {world_size} ranks: {problem}")
@@ -385,7 +388,13 @@ def simulate(
     )
 
 
-# ---- Each impl's step, run with its own functions, and the formula's arguments as its train.py passes them
+# ---- Each impl's step, run with its own functions, and the cost function its train.py calls
+
+
+def gpt_usage(shape: GPTShape) -> Usage:
+    """Which parameters of gpt of `shape` a step trains (distref.cost.usage, as each train.py finds it for
+    its model: one forward and backward on the meta device): all of them."""
+    return model_usage("gpt", DatasetInfo("synthetic", shape.vocab, (shape.seq,), "sequence"), shape.layers)
 
 
 def batch(shape: GPTShape, sequences: int) -> torch.Tensor:
@@ -414,7 +423,8 @@ def run_steps(
 def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
-    model = module.apply_ddp(build(shape, tensors, cfg), options, device, rank)  # (its hook: the all-reduce)
+    usage = gpt_usage(shape)
+    model = module.apply_ddp(build(shape, tensors, cfg), options, device, rank, usage)  # (its hook: the sum)
     with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
@@ -428,18 +438,19 @@ def run_ddp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
                     (loss / cfg.grad_accum).backward()
 
         counts, states = run_steps(steps, step, optimizer, model.parameters)
-    parameter_bytes = [p.numel() * p.element_size() for p in model.parameters()]
-    predicted = None
-    if options.comm_hook != "powersgd":
-        predicted = ddp_communication(
-            parameter_bytes,
-            world_size,
-            bucket_cap_bytes=int(options.bucket_cap_mb * 2**20),
-            compressed_element_ratio=0.5 if options.comm_hook in ("fp16", "bf16") else 1.0,
-            buffers=[(str(b.dtype), b.numel() * b.element_size()) for b in model.buffers()],
-        )
-    step_bytes = torch.get_default_dtype().itemsize
-    return Outcome(counts, states, predicted, replicated(parameter_bytes, cfg.optimizer, step_bytes), {})
+    predicted = ddp_rank_cost(  # as impls/ddp/train.py calls it
+        parameters_of(model.module.named_parameters(), usage),
+        [(str(b.dtype), b.numel() * b.element_size()) for b in model.module.buffers()],
+        world_size,
+        bucket_cap_mb=options.bucket_cap_mb,
+        comm_hook=options.comm_hook,
+        find_unused_parameters=options.find_unused_parameters,
+        static_graph=options.static_graph,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+    )
+    return Outcome(counts, states, predicted.communication, predicted.model_states, {})
 
 
 def sharded_step(model, cfg: RunConfig, x: torch.Tensor, device, loss_context=contextlib.nullcontext):
@@ -461,29 +472,36 @@ def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
     mesh = module.make_mesh(world_size, options.hsdp, device)
-    model = module.apply_fsdp(build(shape, tensors, cfg), mesh, cfg, device)
+    model = module.apply_fsdp(
+        build(shape, tensors, cfg),
+        mesh,
+        reshard_after_forward=options.reshard_after_forward,
+        cpu_offload=options.cpu_offload,
+        precision=cfg.precision,
+        device=device,
+    )
     with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (world_size * cfg.grad_accum))
         counts, states = run_steps(steps, sharded_step(model, cfg, x, device), optimizer, model.parameters)
-    # as impls/fsdp/train.py's fsdp_cost: every block a unit, the last not resharded after forward
-    units = [[p.shape for p in block.parameters()] for block in model.children()]
-    shards, dtype, policy = mesh["shard"], param_dtype(cfg), module.mixed_precision(cfg)
-    predicted = fsdp_communication(
-        units,
-        [options.reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
+    usage = gpt_usage(shape)
+    policy, shards = module.mixed_precision(cfg.precision), mesh["shard"]
+    predicted = fsdp_rank_cost(  # as impls/fsdp/train.py calls it
+        parameters_by_block(model, usage),
         shards.size(),
+        shards.get_local_rank(),
         replicas=options.hsdp,
-        gather_element_bytes=(policy.param_dtype or dtype).itemsize,
-        reduce_element_bytes=(policy.reduce_dtype or dtype).itemsize,
+        reshard_after_forward=options.reshard_after_forward,
+        dtype=param_dtype(cfg),
+        gather_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
         grad_accum=cfg.grad_accum,
-    )
-    shapes, step_bytes = [s for unit in units for s in unit], torch.get_default_dtype().itemsize
-    predicted_states = fsdp_model_states(
-        shapes, shards.size(), shards.get_local_rank(), dtype.itemsize, cfg.optimizer, step_bytes
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
     )
     facts = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))}
-    return Outcome(counts, states, predicted, predicted_states, facts)
+    return Outcome(counts, states, predicted.communication, predicted.model_states, facts)
 
 
 def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
@@ -491,93 +509,104 @@ def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) ->
     options = cfg.strategy
     dp, tp = module.mesh_shape(options, world_size)
     mesh = module.make_mesh(dp, tp, device)
-    loss_context = module.loss_parallel if options.loss_parallel else contextlib.nullcontext
-    model = module.parallelize(build(shape, tensors, cfg), mesh, options)
+    loss_context = loss_parallel if options.loss_parallel else contextlib.nullcontext
+    model = module.parallelize(
+        build(shape, tensors, cfg),
+        mesh,
+        sequence_parallel=options.sequence_parallel,
+        loss_parallel=options.loss_parallel,
+    )
     with step_tensors(tensors, model):
         optimizer = make_optimizer(cfg, model.parameters())
         x = batch(shape, cfg.global_batch_size // (dp * cfg.grad_accum))
         step = sharded_step(model, cfg, x, device, loss_context)
         counts, states = run_steps(steps, step, optimizer, model.parameters)
-    # as impls/tensor_parallel/train.py's tp_cost, for this shape
-    dims = dict(layers=shape.layers, hidden=shape.hidden, vocabulary=shape.vocab, sequence=shape.seq)
-    dims.update(tp=tp, dp_shard=dp, tp_rank=mesh["tp"].get_local_rank())
-    element = param_dtype(cfg).itemsize
-    predicted = tensor_parallel(
-        **dims,
+    predicted = tensor_parallel_cost(  # as impls/tensor_parallel/train.py calls it, for this shape
+        "gpt",
+        DatasetInfo("synthetic", shape.vocab, (shape.seq,), "sequence"),
+        layers=shape.layers,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        tp=tp,
+        tp_rank=mesh["tp"].get_local_rank(),
+        dp_shard=dp,
+        dp_rank=mesh["dp_shard"].get_local_rank(),
         micro_batch=cfg.global_batch_size // (dp * cfg.grad_accum),
+        grad_accum=cfg.grad_accum,
         sequence_parallel=options.sequence_parallel,
         loss_parallel=options.loss_parallel,
         optimizer=cfg.optimizer,
-        grad_accum=cfg.grad_accum,
-        element_bytes=element,
-        compute_element_bytes=2 if cfg.precision == "bf16" else element,
+        weight_decay=cfg.weight_decay,
+        precision=cfg.precision,
+        element_bytes=param_dtype(cfg).itemsize,
+        step_bytes=torch.get_default_dtype().itemsize,
         activation_checkpointing=cfg.activation_checkpointing,
     )
-    predicted_states = tensor_parallel_model_states(
-        **dims,
-        dp_rank=mesh["dp_shard"].get_local_rank(),
-        optimizer=cfg.optimizer,
-        weight_decay=cfg.weight_decay,
-        element_bytes=element,
-        step_bytes=torch.get_default_dtype().itemsize,
-    )
-    return Outcome(counts, states, predicted, predicted_states, {"mesh": {"dp_shard": dp, "tp": tp}})
+    facts = {"mesh": {"dp_shard": dp, "tp": tp}}
+    return Outcome(counts, states, predicted.communication, predicted.model_states, facts)
 
 
-def vote_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
-    """The outcome of torch.distributed.pipelining's warm-up vote when every stage's shapes are given (as
-    the impl gives them): static. Stands in for the vote, which the fake backend cannot carry."""
-    from torch.distributed.pipelining.stage import InferenceMode
-
-    for stage in stages:
-        stage._inference_mode = InferenceMode.STATIC
+def with_static_vote(stage):
+    """`stage` as the fake backend can run it: its part in the schedule's warm-up vote (each stage says
+    whether its shapes are static; the product travels to the last stage and back, where torch 2.13 reads
+    it with .item()) answered as a real run's is when every stage's shapes are given, as the impl gives
+    them: static. The fake backend's recv delivers nothing (the vote would come out "dynamic", and the
+    shape exchange that follows unpickles nothing), and meta tensors have no .item(). Given to the impl's
+    apply_pipeline as its `wrap_stage`; the vote's 2·(p−1) one-integer messages are in the first step
+    only, which is not counted."""
+    static = torch.ones(1, dtype=torch.int32, device="cpu")  # (not the meta default of the steps)
+    stage._warmup_forward_vote = lambda has_backward, received_acc=None: static
+    stage._warmup_backward_result = lambda received_result=None: static
+    return stage
 
 
 def run_pipeline(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
-    mesh = module.pipeline_mesh(device, options, world_size)
-    cuts = choose_cut_points(named_block_sizes("gpt", shape.layers), options.partition, mesh.n_stages, "gpt")[
-        0
-    ]
+    v = options.stages_per_rank  # (resolved: the schedule's where not given)
+    mesh = module.pipeline_mesh(device, world_size, dp=options.dp, schedule=options.schedule, v=v)
+    blocks = named_block_sizes("gpt", shape.layers)
+    cuts = choose_cut_points(blocks, options.partition, mesh.n_stages, "gpt")[0]
     micro_batch = cfg.global_batch_size // (options.dp * options.microbatches)
     model = build(shape, tensors, cfg)
     with step_tensors(tensors, model):
-        if tensors == "meta":  # cut_into_stages moves the whole model back to the CPU after its example
-            model.to = lambda *args, **kwargs: model  # forward: meta tensors stay where they are
         x = batch(shape, micro_batch * options.microbatches)  # the pipeline's batch
-        stage_modules, examples, _ = module.cut_into_stages(
-            model, cuts, cfg, mesh, x[:micro_batch], device, False
+        pipeline = module.apply_pipeline(
+            model,
+            mesh,
+            cuts=cuts,
+            schedule=options.schedule,
+            microbatches=options.microbatches,
+            example=x[:micro_batch],
+            device=device,
+            precision=cfg.precision,
+            activation_checkpointing=cfg.activation_checkpointing,
+            wrap_stage=with_static_vote,
         )
-        held = BlockModel(OrderedDict((n, b) for m in stage_modules.values() for n, b in m.named_children()))
-        _, schedule = module.build_schedule(
-            stage_modules, examples, mesh, options, device, module.GlobalBatchMean()
-        )
-        schedule._warmup_p2p = vote_static
+        held = pipeline.model
         optimizer = make_optimizer(cfg, held.parameters())
-        first, last = 0 in mesh.my_stages, mesh.n_stages - 1 in mesh.my_stages
 
-        def step() -> None:  # as impls/pipeline/train.py's run_schedule, then the --dp sum
-            schedule.step(*((x,) if first else ()), **({"target": x, "losses": []} if last else {}))
+        def step() -> None:  # as impls/pipeline/train.py's step, then the --dp sum
+            pipeline.step(x, x, scored=x.numel())
             if options.dp > 1:
-                module.all_reduce_gradients(held.parameters(), mesh.dp_group)
-                module.broadcast_buffers(held, mesh.dp_group)
+                module.sync_pipelines(held, mesh.dp_group)
 
         counts, states = run_steps(steps, step, optimizer, held.parameters)
-    # as impls/pipeline/train.py's pipeline_cost
-    parameter_bytes = [p.numel() * p.element_size() for p in held.parameters()]
-    predicted = pipeline_communication(
-        [out.numel() * out.element_size() for _, out in examples[:-1]],
+    usage = gpt_usage(shape)
+    predicted = pipeline_rank_cost(  # as impls/pipeline/train.py calls it
+        [out.numel() * out.element_size() for _, out in pipeline.examples[:-1]],
         mesh.my_stages,
         mesh.owner,
         options.microbatches,
-        parameter_bytes=parameter_bytes,
+        parameters=parameters_of(held.named_parameters(), usage),
         buffer_bytes=[b.numel() * b.element_size() for b in held.buffers()],
         dp=options.dp,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
     )
-    step_bytes = torch.get_default_dtype().itemsize
     facts = {"mesh": {"dp": options.dp, "pp": mesh.p}, "cuts": cuts, "stages": sorted(mesh.my_stages)}
-    return Outcome(counts, states, predicted, replicated(parameter_bytes, cfg.optimizer, step_bytes), facts)
+    return Outcome(counts, states, predicted.communication, predicted.model_states, facts)
 
 
 def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
@@ -607,6 +636,8 @@ def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> 
                     if counting and micro_step == cfg.grad_accum - 1:  # before step() frees the gradients
                         states = zero_model_state_bytes(engine, optimizer)
                     engine.step()
+        # which parameters train, traced as the impl's train.py traces it: under DeepSpeed's F.linear
+        usage = gpt_usage(shape)
     finally:
         deepspeed.comm.destroy_process_group()  # and DeepSpeed's own references to its groups
         torch.nn.functional.linear = linear
@@ -614,24 +645,22 @@ def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> 
             os.environ.pop("LOCAL_RANK")
         else:
             os.environ["LOCAL_RANK"] = local_rank
-    # as impls/deepspeed_zero/train.py's zero_cost
-    numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]  # stage 3: whole sizes
     zero = config["zero_optimization"]
-    predicted = predicted_states = None
-    if cfg.precision == "fp32" and not (cfg.strategy.offload_optimizer or cfg.strategy.offload_params):
-        predicted = zero_communication(
-            numels,
-            world_size,
-            stage,
-            bucket_elements=zero["reduce_bucket_size"],
-            prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
-            grad_accum=cfg.grad_accum,
-        )
-        step_bytes = torch.get_default_dtype().itemsize
-        predicted_states = zero_model_states(
-            numels, world_size, rank, stage, cfg.optimizer, step_bytes=step_bytes
-        )
-    return Outcome(counts, states, predicted, predicted_states, {"zero_stage": stage})
+    predicted = zero_rank_cost(  # as impls/deepspeed_zero/train.py calls it
+        parameters_of(model.named_parameters(), usage),
+        world_size,
+        rank,
+        stage,
+        bucket_elements=zero["reduce_bucket_size"],
+        prefetch_elements=zero.get("stage3_prefetch_bucket_size", 0),
+        grad_accum=cfg.grad_accum,
+        precision=cfg.precision,
+        offload=cfg.strategy.offload_optimizer or cfg.strategy.offload_params,
+        optimizer=cfg.optimizer,
+        step_bytes=torch.get_default_dtype().itemsize,
+        unknown=usage.unknown,
+    )
+    return Outcome(counts, states, predicted.communication, predicted.model_states, {"zero_stage": stage})
 
 
 RUNNERS = {

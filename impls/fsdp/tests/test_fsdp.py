@@ -17,6 +17,7 @@ from distref.testing import (
     FP64_TOLERANCE,
     GPU_PARITY,
     PARITY_TOLERANCE,
+    batchnorm_args,
     check_activations_predicted,
     check_communication_predicted,
     check_killed_rank_ends_the_job,
@@ -30,6 +31,7 @@ from distref.testing import (
     parity_args,
     score_saved_model,
     self_launched,
+    skip_where_torchvision_cannot_serve,
 )
 from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
@@ -91,6 +93,16 @@ def test_parity_with_single_and_each_rank_holds_its_shard(case, single_reference
     # The recorded accuracy (test shards scored on each rank with the gathered model) is that of the model
     # --save-final wrote, scored alone.
     assert record["final_accuracy"] == score_saved_model(tmp_path / "f.pt", parity_args(model))
+
+
+def test_batchnorm_model_is_evaluated_with_rank_0s_statistics(tmp_path):
+    """Each rank's BatchNorm keeps its own running statistics (buffers are not sharded): the recorded
+    accuracy is that of the model rank 0 saves (distref.distributed.evaluate_gathered), not a mix."""
+    args = batchnorm_args(6)
+    skip_where_torchvision_cannot_serve(args)
+    run_fsdp(2, [*args, "--save-final", str(tmp_path / "final.pt"), "--out", str(tmp_path / "out")])
+    record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert record["final_accuracy"] == score_saved_model(tmp_path / "final.pt", args)
 
 
 def test_bf16_mixed_precision_trains_within_a_band_of_fp32(single_train, tmp_path):

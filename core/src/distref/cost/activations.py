@@ -360,6 +360,32 @@ def pipeline_rank(
     return held_in_rank(*found, bounds, actions, micro_batch)
 
 
+def pipeline_rank_activations(
+    cfg: RunConfig,
+    info,
+    bounds: list[tuple[int, int]],
+    actions: Sequence[Action] | None,
+    micro_batch: int,
+    schedule: str,
+) -> tuple[int | None, str | None]:
+    """`pipeline_rank` for the run `cfg` (running `schedule`), and why there is no formula where it has
+    none: (bytes, None) or (None, the reason)."""
+    held = pipeline_rank(
+        cfg.model,
+        info,
+        cfg.gpt_layers,
+        bounds,
+        actions,
+        micro_batch,
+        cfg.precision,
+        cfg.activation_checkpointing,
+    )
+    why = no_formula(cfg.model, cfg.precision)
+    if why is None and actions is None:
+        why = f"no order of work known for --schedule {schedule}"
+    return held, why
+
+
 def held_in_rank(
     blocks: list[Block],
     loss: Loss,

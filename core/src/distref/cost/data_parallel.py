@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from distref.cost import Predicted
 from distref.cost.counts import Counts, add, buckets
+from distref.cost.memory import replicated
+from distref.cost.usage import ModelParameters
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size for buffers
 USED_MAP_ENTRY_BYTES = 4  # find_unused_parameters: one int32 per parameter, whether this rank used it
@@ -67,3 +70,54 @@ def ddp_bucket_order(gradient_order: Sequence[int], parameters: int) -> list[int
     for, which find_unused_parameters marks ready, in index order, at the backward's first gradient."""
     produced = set(gradient_order)
     return [i for i in range(parameters) if i not in produced] + list(gradient_order)
+
+
+def ddp_rank_cost(
+    parameters: ModelParameters,
+    buffers: Sequence[tuple[str, int]],
+    world_size: int,
+    *,
+    bucket_cap_mb: float,
+    comm_hook: str,
+    find_unused_parameters: bool,
+    static_graph: bool,
+    optimizer: str,
+    step_bytes: int,
+    unknown: str | None = None,
+    activations: tuple[int | None, str | None] = (None, "not predicted here"),
+) -> Predicted:
+    """What a rank of impls/ddp costs by formula: every bucket of the gradients of the parameters that
+    require grad all-reduced once per optimizer step (half the bytes with a bf16/fp16 `comm_hook`;
+    PowerSGD: no formula), with unused parameters also DDP's map of them, the `buffers` ((dtype, bytes)
+    each) broadcast before the step's first forward (`ddp`); a full replica of the model states, gradients
+    and optimizer state of the parameters that receive a gradient (memory.replicated); `activations` as
+    (bytes, or None and why). The options are DDP's of those names; `unknown`: why it is not known which
+    parameters train (no communication or model-state formula then)."""
+    # DDP leaves frozen parameters out of its buckets; an unused one's zero gradient is in them
+    in_buckets = [i for i, use in enumerate(parameters.uses) if use.requires_grad]
+    unused = any(use.requires_grad and not use.trained for use in parameters.uses)
+    communication = model_states = None
+    if comm_hook != "powersgd" and not unknown:
+        position = {index: k for k, index in enumerate(in_buckets)}
+        compressed, sizes = comm_hook in ("fp16", "bf16"), parameters.bytes
+        communication = ddp(
+            [sizes[i] for i in in_buckets],
+            world_size,
+            bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+            # a bf16/fp16 hook sends 2 bytes per gradient element (of 4 in fp32, of 8 in fp64)
+            compressed_element_ratio=2 / parameters.element_bytes[0] if compressed else 1.0,
+            buffers=buffers,
+            # as impls/ddp's apply_ddp decides it: parameters the loss leaves unread, and no static graph
+            find_unused_parameters=(find_unused_parameters or unused) and not static_graph,
+            bucket_order=ddp_bucket_order([position[i] for i in parameters.gradient_order], len(in_buckets)),
+        )
+    if not unknown:
+        model_states = replicated(parameters.bytes, optimizer, step_bytes, parameters.trained)
+    held, why_not = activations
+    powersgd = "--comm-hook powersgd: no formula (its low-rank factors; a plain all-reduce before step 10)"
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=held,
+        unavailable={"communication": unknown or powersgd, "model_states": unknown, "activations": why_not},
+    )

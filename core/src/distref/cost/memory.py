@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from distref.cost import Predicted
+from distref.cost.usage import ModelParameters
+
 K_MIXED_PRECISION_ADAM = 12  # fp32 master parameters, momentum, variance: 4 + 4 + 4 bytes per parameter
 
 
@@ -81,3 +84,33 @@ def replicated(
         "gradients": sum(with_gradient),
         "optimizer": optimizer_state_bytes(with_gradient, optimizer, step_bytes),
     }
+
+
+def one_process_cost(
+    parameters: ModelParameters,
+    *,
+    optimizer: str,
+    step_bytes: int,
+    unknown: str | None = None,
+    activations: tuple[int | None, str | None] = (None, "not predicted here"),
+    communication_unavailable: str | None = None,
+) -> Predicted:
+    """What one process holding the whole model costs by formula (impls/single, impls/dataparallel): no
+    process-group communication (`communication_unavailable`: why none can be said instead, e.g.
+    DataParallel's copies between GPUs), a full replica of the model states (gradients and optimizer
+    state of the `parameters` that train: `replicated`), `activations` as (bytes, or None and why).
+    `unknown`: why it is not known which parameters train (no model-state formula then)."""
+    model_states = None
+    if not unknown:
+        model_states = replicated(parameters.bytes, optimizer, step_bytes, parameters.trained)
+    held, why_not = activations
+    return Predicted(
+        communication=None if communication_unavailable else {},
+        model_states=model_states,
+        activations=held,
+        unavailable={
+            "communication": communication_unavailable,
+            "model_states": unknown,
+            "activations": why_not,
+        },
+    )

@@ -38,7 +38,10 @@ from collections.abc import Sequence
 
 import torch
 
+from distref.cost import Predicted
 from distref.cost.counts import Counts, add
+from distref.cost.memory import replicated
+from distref.cost.usage import ModelParameters
 
 HEADER_BYTES = 8 * 8  # distref.distributed.send_tensor's header: 8 int64
 
@@ -72,6 +75,48 @@ def pipeline(
     return counts
 
 
+def pipeline_rank_cost(
+    boundary_bytes: Sequence[int],
+    my_stages: Sequence[int],
+    stage_rank: Sequence[int],
+    microbatches: int,
+    *,
+    parameters: ModelParameters,
+    buffer_bytes: Sequence[int],
+    dp: int,
+    optimizer: str,
+    step_bytes: int,
+    unknown: str | None = None,
+    activations: tuple[int | None, str | None] = (None, "not predicted here"),
+) -> Predicted:
+    """What one rank of impls/pipeline costs by formula: each boundary of its stages with a stage on
+    another rank crossed twice per micro-batch (`boundary_bytes[s]`: stage s's output for one micro-batch),
+    with `dp` pipelines the gradients of its stages' `parameters` that train all-reduced and its buffers
+    broadcast (`pipeline`); the model states of its stages (gradients and optimizer state of the
+    parameters that train: distref.cost.memory.replicated); `activations` as (bytes, or None and why).
+    `unknown`: why it is not known which parameters train (no communication or model-state formula then)."""
+    communication = model_states = None
+    if not unknown:
+        trained = parameters.trained
+        communication = pipeline(
+            boundary_bytes,
+            my_stages,
+            stage_rank,
+            microbatches,
+            parameter_bytes=[size for size, t in zip(parameters.bytes, trained, strict=True) if t],
+            buffer_bytes=buffer_bytes,
+            dp=dp,
+        )
+        model_states = replicated(parameters.bytes, optimizer, step_bytes, trained)
+    held, why_not = activations
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=held,
+        unavailable={"communication": unknown, "model_states": unknown, "activations": why_not},
+    )
+
+
 def model_parallel(activation_bytes: Sequence[int], rank: int, parts: int, microbatches: int) -> Counts:
     """One step of impls/model_parallel on rank `rank` of `parts` (one process per part): M micro-batches
     one after another, each activation with send_tensor's header, each gradient without.
@@ -85,6 +130,36 @@ def model_parallel(activation_bytes: Sequence[int], rank: int, parts: int, micro
         add(counts, "recv", m * (HEADER_BYTES + activation_bytes[rank - 1]), 2, calls=2 * m)
         add(counts, "send", m * activation_bytes[rank - 1], 2, calls=m)
     return counts
+
+
+def model_parallel_rank_cost(
+    activation_bytes: Sequence[int],
+    rank: int,
+    parts: int,
+    microbatches: int,
+    *,
+    parameters: ModelParameters,
+    optimizer: str,
+    step_bytes: int,
+    unknown: str | None = None,
+    activations: tuple[int | None, str | None] = (None, "not predicted here"),
+) -> Predicted:
+    """What rank `rank` of impls/model_parallel (`parts` processes, 1: one process holding every part)
+    costs by formula: per micro-batch a header and the activation to the next part, the activation's
+    gradient back (`model_parallel`; `activation_bytes`: each cut's, for one micro-batch); the model states
+    of its part(s)' `parameters`, gradients and optimizer state of those that receive a gradient
+    (memory.replicated); `activations` as (bytes, or None and why). `unknown`: why it is not known which
+    parameters train (no model-state formula then)."""
+    model_states = None
+    if not unknown:
+        model_states = replicated(parameters.bytes, optimizer, step_bytes, parameters.trained)
+    held, why_not = activations
+    return Predicted(
+        communication=model_parallel(activation_bytes, rank, parts, microbatches),
+        model_states=model_states,
+        activations=held,
+        unavailable={"model_states": unknown, "activations": why_not},
+    )
 
 
 def boundary_bytes(

@@ -31,8 +31,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
+from distref.cost import Predicted
 from distref.cost.counts import Counts, add
 from distref.cost.memory import replicated
+from distref.cost.usage import ModelParameters
 
 Shape = Sequence[int]
 
@@ -97,3 +101,59 @@ def fsdp_model_states(
         for shape in shapes
     ]
     return replicated(held, optimizer, step_bytes, trained)  # (the same sums, over what this rank holds)
+
+
+def fsdp_rank_cost(
+    units: Sequence[ModelParameters],
+    shard_size: int,
+    shard_rank: int,
+    *,
+    replicas: int,
+    reshard_after_forward: bool,
+    dtype: torch.dtype,
+    gather_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    grad_accum: int,
+    optimizer: str,
+    step_bytes: int,
+    unknown: str | None = None,
+    activations: tuple[int | None, str | None] = (None, "not predicted here"),
+) -> Predicted:
+    """What a rank of impls/fsdp costs by formula: each of its `units` (a block given to fully_shard, its
+    parameters described with `runs` by the block: the root holds none) all-gathered before its forward
+    and, resharded after it (`reshard_after_forward`, but the last), again before its backward, its
+    gradients reduce-scattered over the `shard_size` ranks of its shard group and, with `replicas` > 1
+    (HSDP), all-reduced over the replicas (`fsdp`); this rank's rows (`shard_rank`: its place in its
+    shard group) of every parameter, gradient and optimizer state (`fsdp_model_states`); `activations` as
+    (bytes, or None and why). A unit gathers its every parameter, frozen or unread, and reduces those with
+    a gradient; a unit never called, nothing. Parameters of `dtype`, gathered and reduced in the mixed
+    precision policy's `gather_dtype` and `reduce_dtype` (None: `dtype`). `unknown`: why it is not known
+    which parameters train (no communication or model-state formula then)."""
+    communication = model_states = None
+    if not unknown:
+        communication = fsdp(
+            [list(unit.shapes) if all(use.runs for use in unit.uses) else [] for unit in units],
+            [reshard_after_forward and i < len(units) - 1 for i in range(len(units))],
+            shard_size,
+            replicas=replicas,
+            gather_element_bytes=(gather_dtype or dtype).itemsize,
+            reduce_element_bytes=(reduce_dtype or dtype).itemsize,
+            grad_accum=grad_accum,
+            reduced_units=[[s for s, t in zip(u.shapes, u.trained, strict=True) if t] for u in units],
+        )
+        model_states = fsdp_model_states(
+            [shape for unit in units for shape in unit.shapes],
+            shard_size,
+            shard_rank,
+            dtype.itemsize,
+            optimizer,
+            step_bytes,
+            trained=[t for unit in units for t in unit.trained],
+        )
+    held, why_not = activations
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=held,
+        unavailable={"communication": unknown, "model_states": unknown, "activations": why_not},
+    )

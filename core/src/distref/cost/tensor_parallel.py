@@ -66,6 +66,9 @@ Model states: each parameter's slice (the tensor-parallel split, then FSDP2's ov
 the last ranks may hold fewer rows), as `parameters_held` lists them. On a 1-D mesh the embeddings' gradients
 are whole tables, and SGD's momentum buffer is a clone of the first gradient (whole tables too), except with
 weight decay (grad + λ·param: the parameter's slice). On the 2-D mesh FSDP2 holds gradients as its shards.
+
+What a rank predicts, all three formulas at once: `tensor_parallel_cost` (gpt, or a model of yours split by
+its plan: `planned_cost`), called by impls/tensor_parallel/train.py and distref.simulate alike.
 """
 
 from __future__ import annotations
@@ -73,9 +76,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
+from distref.config import RunConfig, is_factory
+from distref.cost import Predicted
+from distref.cost.activations import no_formula
 from distref.cost.counts import Counts, add, merge
 from distref.cost.memory import optimizer_state_bytes, replicated
 from distref.cost.sharded import fsdp, fsdp_model_states, rows_held
+from distref.cost.tp_activations import tensor_parallel_activation_bytes
+from distref.cost.usage import model_usage
+from distref.data.tensors import DatasetInfo
+from distref.models import GPTConfig, build_model
 
 Shape = tuple[int, ...]
 
@@ -293,3 +305,173 @@ def planned_model_states(
     (`trained`, default all) a gradient of the slice's size and the optimizer's state for it."""
     held = [math.prod(tp_slice(shape, split, tp, tp_rank)) * element_bytes for shape, split in parameters]
     return replicated(held, optimizer, step_bytes, trained)  # (the same sums, over what this rank holds)
+
+
+def tensor_parallel_cost(
+    model: str,
+    info: DatasetInfo,
+    *,
+    layers: int,
+    tp: int,
+    tp_rank: int,
+    dp_shard: int,
+    dp_rank: int,
+    micro_batch: int,
+    grad_accum: int,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    optimizer: str,
+    weight_decay: float,
+    precision: str,
+    element_bytes: int,
+    step_bytes: int,
+    activation_checkpointing: bool,
+    hidden: int = GPTConfig.n_embd,
+    heads: int = GPTConfig.n_head,
+) -> Predicted:
+    """What rank (`dp_rank`, `tp_rank`) of impls/tensor_parallel's (dp_shard, tp) mesh costs by formula,
+    on `micro_batch` sequences per micro-step on each data-parallel group. `model` "gpt": `layers` blocks
+    of `hidden` units and `heads` heads, its vocabulary and sequence the data's (`info`); per block two
+    all-reduces forward and two backward of b·s·h (sequence parallel: all-gathers and reduce-scatters
+    instead), the embeddings' and the loss's, FSDP2's over the dp_shard groups (`tensor_parallel`); this
+    rank's slices of every parameter, gradient and optimizer state (`tensor_parallel_model_states`); the
+    activations it holds, its heads and MLP units (distref.cost.tp_activations; fp32 and fp64 on a 1-D
+    mesh only). A model of yours (MODULE:FUNCTION): `planned_cost`. `element_bytes`: a parameter's
+    (--precision fp64: 8, else 4); `step_bytes`: AdamW's step count's (torch's default dtype)."""
+    if is_factory(model):
+        return planned_cost(
+            model,
+            info,
+            tp=tp,
+            tp_rank=tp_rank,
+            dp_shard=dp_shard,
+            optimizer=optimizer,
+            precision=precision,
+            element_bytes=element_bytes,
+            step_bytes=step_bytes,
+        )
+    vocabulary, sequence = info.num_classes, info.input_shape[0]
+    shape = dict(layers=layers, hidden=hidden, vocabulary=vocabulary, sequence=sequence)
+    shape.update(tp=tp, dp_shard=dp_shard, tp_rank=tp_rank)
+    communication = tensor_parallel(
+        **shape,
+        micro_batch=micro_batch,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        optimizer=optimizer,
+        grad_accum=grad_accum,
+        element_bytes=element_bytes,
+        compute_element_bytes=2 if precision == "bf16" else element_bytes,  # the linear layers' outputs
+        activation_checkpointing=activation_checkpointing,
+    )
+    model_states = tensor_parallel_model_states(
+        **shape,
+        dp_rank=dp_rank,
+        optimizer=optimizer,
+        weight_decay=weight_decay,
+        element_bytes=element_bytes,
+        step_bytes=step_bytes,
+    )
+    activations = None  # (bf16 autocast and FSDP2's gathered slices on the 2-D mesh: no formula yet)
+    no_activation_formula = no_formula(model, precision) or (
+        f"no activation formula on the 2-D mesh (--dp-shard {dp_shard}: FSDP2's gathered slices)"
+    )
+    if precision in ("fp32", "fp64") and dp_shard == 1:
+        activations = tensor_parallel_activation_bytes(
+            micro_batch=micro_batch,
+            seq=sequence,
+            hidden=hidden,
+            heads=heads,
+            layers=layers,
+            vocab=vocabulary,
+            tp=tp,
+            tp_rank=tp_rank,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            element_bytes=element_bytes,
+            checkpointed=activation_checkpointing,
+        )
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=activations,
+        unavailable={"activations": no_activation_formula},
+    )
+
+
+def planned_cost(
+    model: str,
+    info: DatasetInfo,
+    *,
+    tp: int,
+    tp_rank: int,
+    dp_shard: int,
+    optimizer: str,
+    precision: str,
+    element_bytes: int,
+    step_bytes: int,
+) -> Predicted:
+    """What tensor-parallel rank `tp_rank` costs by formula training a model of yours (`model`:
+    MODULE:FUNCTION, on data of `info`) split by its tp_plan, on a 1-D mesh: this rank's slice of each
+    parameter (its plan's: colwise by rows, rowwise by columns, the rest whole) and, for those that
+    receive a gradient, of the gradient and optimizer state (`planned_model_states`). Its communication
+    and activations have no formula: what its plan's layers gather and reduce depends on what surrounds
+    them."""
+    usage = model_usage(model, info, gpt_layers=2)  # which parameters train: a forward on meta
+    model_states = None
+    if not usage.unknown and dp_shard == 1:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            whole = build_model(model, info)  # (its names and shapes)
+        named = list(whole.named_parameters())
+        model_states = planned_model_states(
+            [(p.shape, planned_split(whole.tp_plan, name)) for name, p in named],
+            tp,
+            tp_rank,
+            optimizer,
+            element_bytes=element_bytes,
+            step_bytes=step_bytes,
+            trained=usage.trained_flags(named),
+        )
+    return Predicted(
+        model_states=model_states,
+        unavailable={
+            "communication": f"no communication formula for --model {model}: what its tp_plan's layers "
+            "gather and reduce depends on the layers around them",
+            "model_states": usage.unknown or f"no model-state formula for {model} on the 2-D mesh",
+            "activations": no_formula(model, precision),
+        },
+    )
+
+
+def tensor_parallel_run_cost(
+    cfg: RunConfig,
+    info: DatasetInfo,
+    *,
+    tp: int,
+    tp_rank: int,
+    dp_shard: int,
+    dp_rank: int,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> Predicted:
+    """`tensor_parallel_cost` of rank (`dp_rank`, `tp_rank`) in the run `cfg` (its core options: the model,
+    batch, micro-steps, optimizer, precision), each data-parallel group on its share of the global batch."""
+    return tensor_parallel_cost(
+        cfg.model,
+        info,
+        layers=cfg.gpt_layers,
+        tp=tp,
+        tp_rank=tp_rank,
+        dp_shard=dp_shard,
+        dp_rank=dp_rank,
+        micro_batch=cfg.global_batch_size // (dp_shard * cfg.grad_accum),
+        grad_accum=cfg.grad_accum,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        optimizer=cfg.optimizer,
+        weight_decay=cfg.weight_decay,
+        precision=cfg.precision,
+        element_bytes=8 if cfg.precision == "fp64" else 4,  # the parameters' (training.device.param_dtype)
+        step_bytes=torch.get_default_dtype().itemsize,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )

@@ -17,6 +17,7 @@ one a real backward takes).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -74,6 +75,51 @@ class Usage:
             ParameterUse(p.requires_grad, p.requires_grad and self.is_trained(name), called(name))
             for name, p in named_parameters
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParameters:
+    """A model's parameters as the strategies' cost functions take them: plain values, in
+    model.named_parameters() order (`parameters_of` reads them off a model and its Usage)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    element_bytes: tuple[int, ...]
+    uses: tuple[ParameterUse, ...]
+    gradient_order: tuple[int, ...]  # the indices of those with a gradient, in the order backward gives them
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(shape) for shape in self.shapes]
+
+    @property
+    def bytes(self) -> list[int]:
+        return [n * e for n, e in zip(self.numels, self.element_bytes, strict=True)]
+
+    @property
+    def trained(self) -> list[bool]:
+        """Whether each receives a gradient."""
+        return [use.trained for use in self.uses]
+
+
+def parameters_of(named_parameters, usage: Usage, runs_by_block: bool = False) -> ModelParameters:
+    """`named_parameters` ((name, parameter) pairs) with what `usage` says a step does with each (`runs`
+    by the block holding it with `runs_by_block`: Usage.of). Their whole shapes: a DTensor's (FSDP2's
+    shards) global one, a ZeRO-3 partition's `ds_shape`."""
+    named = list(named_parameters)
+    return ModelParameters(
+        shapes=tuple(tuple(getattr(p, "ds_shape", p.shape)) for _, p in named),
+        element_bytes=tuple(p.element_size() for _, p in named),
+        uses=tuple(usage.of(named, runs_by_block)),
+        gradient_order=tuple(usage.gradient_indices(named)),
+    )
+
+
+def parameters_by_block(model: nn.Module, usage: Usage) -> list[ModelParameters]:
+    """`parameters_of` each of `model`'s top-level blocks (`runs`: whether the block runs), in order."""
+    return [
+        parameters_of(block.named_parameters(prefix=name), usage, runs_by_block=True)
+        for name, block in model.named_children()
+    ]
 
 
 def traced_usage(model: nn.Module, input_shape: tuple[int, ...], tokens: bool) -> Usage:

@@ -74,9 +74,10 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from distref.cost import Predicted
 from distref.cost.counts import Counts, add
 from distref.cost.memory import replicated
-from distref.cost.usage import ParameterUse
+from distref.cost.usage import ModelParameters, ParameterUse
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: partitions start at multiples of 2·N elements
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000  # engine.py MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce bucket
@@ -289,3 +290,63 @@ def zero_model_states(
             "optimizer": optimizer_partition_bytes(trainable_partition, optimizer, element_bytes, step_bytes),
         }
     return None
+
+
+def zero_rank_cost(
+    parameters: ModelParameters,
+    world_size: int,
+    rank: int,
+    stage: int,
+    *,
+    bucket_elements: int,
+    prefetch_elements: int,
+    grad_accum: int,
+    precision: str,
+    offload: bool,
+    optimizer: str,
+    step_bytes: int,
+    unknown: str | None = None,
+    activations: tuple[int | None, str | None] = (None, "not predicted here"),
+) -> Predicted:
+    """What a rank of impls/deepspeed_zero costs by formula (DeepSpeed 0.19's buckets, padding and
+    prefetch; fp32 without `offload` only): stage 0 all-reduces the gradients as DDP does, stages 1-2 an
+    all-reduce per gradient bucket (per partition it spans, for a gradient larger than a bucket) and one
+    all-gather of the updated flat parameters, stage 3 the parameters gathered once per forward and the
+    gradients reduce-scattered per bucket (`zero_communication`: `bucket_elements` the config's
+    reduce_bucket_size, `prefetch_elements` its stage3_prefetch_bucket_size); this rank's partitions, frozen
+    parameters left out of them at stages 0-2 (`zero_model_states`); `activations` as (bytes, or None and
+    why). `unknown`: why it is not known which parameters train (no communication or model-state formula
+    then)."""
+    if precision != "fp32":
+        no_formula_here = f"no formula for DeepSpeed in {precision} (its 16-bit copies, fp32 masters)"
+    elif offload:
+        no_formula_here = "no formula with offload (DeepSpeed's CPU partitions and their copies)"
+    else:
+        no_formula_here = unknown
+    numels, uses = parameters.numels, parameters.uses  # (stage 3 gathers one when its own module runs)
+    communication = model_states = None
+    if not no_formula_here:
+        communication = zero_communication(
+            numels,
+            world_size,
+            stage,
+            bucket_elements=bucket_elements,
+            prefetch_elements=prefetch_elements,
+            grad_accum=grad_accum,
+            uses=uses,
+            gradient_order=parameters.gradient_order,  # what its reduce buckets fill in
+        )
+        model_states = zero_model_states(
+            numels, world_size, rank, stage, optimizer, step_bytes=step_bytes, uses=uses
+        )
+    held, why_not = activations
+    return Predicted(
+        communication=communication,
+        model_states=model_states,
+        activations=held,
+        unavailable={
+            "communication": no_formula_here or communication_unavailable(numels, stage, prefetch_elements),
+            "model_states": no_formula_here,
+            "activations": why_not,
+        },
+    )

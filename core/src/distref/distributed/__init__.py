@@ -1,12 +1,15 @@
 """What the multi-process impls share: starting ranks (`launch`), the process group's life
-(`process_group`), collectives (`collectives`), and cutting a model into parts (`partition`)."""
+(`process_group`), collectives (`collectives`), cutting a model into parts (`partition`), a pipeline's
+stages and their meter (`stages`), and model parallelism's hand-overs measured (`handoffs`)."""
 
 from distref.distributed.agreement import check_ranks_agree
 from distref.distributed.collectives import (
     all_reduce_sum,
+    evaluate_gathered,
     finish_record,
     gather_to_rank0,
     recv_tensor,
+    save_whole_state,
     send_tensor,
 )
 from distref.distributed.launch import (
@@ -32,6 +35,7 @@ __all__ = [
     "all_reduce_sum",
     "check_ranks_agree",
     "destroy_process_group_on_exit",
+    "evaluate_gathered",
     "exit_without_interpreter_teardown",
     "finish_record",
     "gather_to_rank0",
@@ -40,6 +44,7 @@ __all__ = [
     "recv_tensor",
     "restart_safe_store",
     "restore_environment",
+    "save_whole_state",
     "send_tensor",
     "silent_ranks",
     "start_process_group",

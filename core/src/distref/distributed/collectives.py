@@ -7,8 +7,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distref.config import RunConfig
 from distref.cost import Predicted
+from distref.data import TensorData, eval_batches
 from distref.record import node_name
+from distref.training.checkpoint import full_state_dict, save_checkpoint
+from distref.training.steps import evaluate
 from distref.training.traffic import TRAFFIC
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
@@ -51,6 +55,41 @@ def gather_to_rank0(obj: Any, world_size: int) -> list:
     return gathered or []
 
 
+def save_whole_state(
+    path: str, held: dict[str, torch.Tensor], world_size: int, keys: list[str] | None = None
+) -> None:
+    """Rank 0 gathers every rank's `held` part of a model's state_dict (its stages, its part; replicas
+    hold equal copies) and writes the whole model's, in the order of `keys` (the core model's; None: the
+    ranks' order, where rank r holds the blocks after rank r-1's)."""
+    gathered = gather_to_rank0(held, world_size)
+    if gathered:
+        merged = {k: v for part in gathered for k, v in part.items()}
+        save_checkpoint(path, {k: merged[k] for k in keys or merged})
+
+
+def evaluate_gathered(
+    model: torch.nn.Module,
+    eval_model: torch.nn.Module,
+    test_set: TensorData,
+    device: torch.device,
+    cfg: RunConfig,
+) -> torch.Tensor:
+    """The test set's [loss sum, correct, count] for a model split or sharded over the ranks (FSDP2,
+    tensor parallelism: DTensors), each rank scoring its shard of the test set with `eval_model`, a plain
+    copy of the model loaded with the gathered parameters: forwards through the split model are
+    collectives, and shards may differ in batch count, so they would not pair up across ranks. Buffers
+    (BatchNorm's statistics, not sharded) are rank 0's everywhere: the saved model's. A collective."""
+    eval_model.load_state_dict(full_state_dict(model))
+    eval_model.to(device)  # for the evaluation only: a whole model on every GPU would undo the split
+    for buffer in eval_model.buffers():
+        dist.broadcast(buffer, src=0)
+    batches = eval_batches(test_set, rank=dist.get_rank(), world_size=dist.get_world_size())
+    totals = evaluate(eval_model, batches, device, cfg)
+    eval_model.to("cpu")
+    dist.all_reduce(totals)  # the ranks' sums: the whole test set's
+    return totals
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In place, the sum over the ranks (of `group`; default every rank). Each rank's step loss is its part
     of the global batch's mean (its loss sum / the global count of scored targets): the sum is the mean."""
@@ -66,15 +105,15 @@ def finish_record(
     predicted: Predicted,
     measured_activation_bytes: int | None = None,
 ) -> None:
-    """End the run's record with every rank's peak memory, model-state bytes and communication, measured
-    and `predicted` by the strategy's formulas (distref.cost), gathered to rank 0 (the one that writes it;
-    elsewhere the lists stay empty). An impl whose own saved-tensor hooks run inside the step (they hide it
-    from the counted step's) gives its `measured_activation_bytes`."""
+    """End the run's record with every rank's peak memory (of each device it computes on), model-state
+    bytes and communication, measured and `predicted` by the strategy's formulas (distref.cost), gathered
+    to rank 0 (the one that writes it; elsewhere the lists stay empty). An impl whose own saved-tensor hooks
+    run inside the step (they hide it from the counted step's) gives its `measured_activation_bytes`."""
     counted = TRAFFIC.summary()
     if measured_activation_bytes is not None:
         counted["activation_bytes"] = measured_activation_bytes
     mine = {
-        "peak": record.training_peak_memory()[0],
+        "peak": record.training_peak_memory(),  # one per device it computes on
         "states": state_bytes,
         "counted": counted,
         "predicted": predicted.as_dict(),
@@ -84,5 +123,5 @@ def finish_record(
     if ranks:
         record.set_communication([r["counted"] for r in ranks])
         record.data["environment"]["rank_nodes"] = [r["node"] for r in ranks]
-    peaks, states = [int(r["peak"]) for r in ranks], [r["states"] for r in ranks]
+    peaks, states = [int(p) for r in ranks for p in r["peak"]], [r["states"] for r in ranks]
     record.finish(global_batch_size, peaks, states, [r["predicted"] for r in ranks])

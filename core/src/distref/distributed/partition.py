@@ -4,7 +4,8 @@ A partition is given by cut points: `--partition 1,3` on a 4-block model means p
 [3, 4) — block indices, so every part is whole blocks and keeps the core model's parameter names.
 Without `--partition`, the cut is the one that balances parameter counts best (the largest part as small
 as possible) among those that give every part parameters. The cuts are computed from the model built:
-this project's, or a model of your own (--model MODULE:FUNCTION), checked to be a sequence of blocks.
+this project's, or a model of your own (--model MODULE:FUNCTION), checked to be a sequence of blocks
+(distref.your_model.cut_problem).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import math
 import torch
 from torch import nn
 
-from distref.config import FactoryError, RunConfig, is_factory
-from distref.data import DataError, DatasetInfo, sample_batch
-from distref.models import block_sequence_problem, build_model, tied_across_blocks
+from distref.data import DatasetInfo
+from distref.models import build_model
 
 # A representative dataset per model: the block structure does not depend on the data's size.
 MODEL_DATASETS = {
@@ -37,25 +37,6 @@ def named_block_sizes(model_name: str, gpt_layers: int = 2) -> dict[str, int]:
     """block_sizes of one of this project's models, without data or memory (built on the meta device)."""
     with torch.device("meta"):
         return block_sizes(build_model(model_name, MODEL_DATASETS[model_name], gpt_layers))
-
-
-def cut_problem(cfg: RunConfig, text: str | None, parts: int) -> str | None:
-    """Why the run's model cannot be cut into `parts` parts (`text`: --partition), or None; checked before
-    any rank starts. A model of your own (MODULE:FUNCTION) is built and tried on a sample batch of the
-    run's data: it must be an ordered sequence of blocks (distref.models.block_sequence_problem), and
-    the cut must give every part parameters."""
-    if not is_factory(cfg.model):
-        return choose_cut_points(named_block_sizes(cfg.model, cfg.gpt_layers), text, parts, cfg.model)[1]
-    try:
-        x, _, info = sample_batch(cfg)
-        model = build_model(cfg.model, info)
-    except (DataError, FactoryError) as exc:
-        return str(exc)
-    if tied := tied_across_blocks(model):  # (each part would train a copy of its own)
-        return f"--model {cfg.model} cannot be cut between ranks: {tied}; keep tied parameters in one block"
-    if problem := block_sequence_problem(model, x):
-        return f"--model {cfg.model} cannot be cut between ranks: {problem}"
-    return choose_cut_points(block_sizes(model), text, parts, cfg.model)[1]
 
 
 def parse_cut_points(text: str, n_blocks: int, parts: int) -> tuple[list[int] | None, str | None]:

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import math
 import sys
-import unittest.mock
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +29,8 @@ from distref.cost.tensor_parallel import (
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
 from distref.cost.zero import zero_communication, zero_model_states
 from distref.distributed.partition import choose_cut_points, part_bounds
-from distref.impl_folders import load_train_module
+from distref.distributed.stages import default_stages_per_rank, schedule_problem, work_order
+from distref.impl_folders import load_train_api
 from distref.plan.cluster import GPU, RESERVED_BYTES, Cluster, Training
 from distref.plan.layouts import Layout
 from distref.plan.model import Model, PlanError
@@ -446,20 +446,8 @@ def schedule_orders(schedule: str, p: int, m: int, v: int = 2) -> dict[int, list
             PipelineStage(torch.nn.Linear(1, 1), index, v * p, torch.device("cpu"))
             for index in module.stage_indices(schedule, 0, p, v)
         ]
-        cls = module.SCHEDULES[schedule]
-        # (its constructor then adds the send/recv actions a real run needs, which costs seconds and
-        # changes nothing in the order of compute: skipped here)
-        with unittest.mock.patch.object(cls, "_prepare_schedule_with_comms", lambda *args, **kwargs: None):
-            built = cls(stages, m, loss_fn=lambda out, target: out.sum())
-        orders = {}
-        for rank in range(p):
-            orders[rank] = [
-                (part.computation_type.value, part.stage_index, part.microbatch_index)
-                for action in built.pipeline_order[rank]
-                if action is not None
-                for part in (action.sub_actions or (action,))
-            ]
-    return orders
+        built = module.SCHEDULES[schedule](stages, m, loss_fn=lambda out, target: out.sum())
+        return {rank: work_order(built, rank, schedule, m, v * p, rank) for rank in range(p)}
 
 
 @contextlib.contextmanager
@@ -481,7 +469,7 @@ def order_world(world_size: int) -> Iterator[None]:
 
 @functools.cache
 def pipeline_impl():
-    return load_train_module(IMPLS_DIR / "pipeline" / "train.py")
+    return load_train_api(IMPLS_DIR / "pipeline" / "train.py")  # (what it declares for the tools)
 
 
 def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: int):
@@ -496,8 +484,8 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
         orders = {r: act.one_stage_order("gpipe", 1, p, r) for r in range(p)}
     else:
         schedule = layout.strategy.removeprefix("pp-")
-        v = layout.stages_per_rank or (1 if schedule in ("gpipe", "1f1b") else 2)
-        if problem := pipeline_impl().microbatch_problem(schedule, m, p, p * v):
+        v = layout.stages_per_rank or default_stages_per_rank(schedule)
+        if problem := schedule_problem(schedule, m, p, v):
             raise PlanError(problem)
         orders = schedule_orders(schedule, p, m, v)
         bubble = pipeline_bubble(schedule, p, v, m)

@@ -13,6 +13,7 @@ from typing import Any
 from distref.config import FactoryError, RunConfig, is_factory
 from distref.data import DataError, DatasetInfo
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
+from distref.distributed.stages import default_stages_per_rank
 from distref.plan.cluster import DEFAULT_MFU, GPU, GPUS, Cluster, Training
 from distref.plan.costing import cost, peak, step_flops
 from distref.plan.layouts import Layout
@@ -32,7 +33,10 @@ IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its
         f"pp-{o['schedule']}",
         dp=o["dp"],
         pp=world // o["dp"],
-        stages_per_rank=o.get("stages_per_rank"),
+        # (pipeline 0.10 records the schedule's default too: a layout names it only where it differs)
+        stages_per_rank=None
+        if o.get("stages_per_rank") == default_stages_per_rank(o["schedule"])
+        else o.get("stages_per_rank"),
         partition=o.get("partition"),
     ),
     # --devices: one process drives every part, and what it holds is the whole model's (planned as one

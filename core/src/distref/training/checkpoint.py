@@ -13,6 +13,7 @@ step on and the record lists it under `resumes`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -125,6 +126,12 @@ def options(config: dict[str, Any]) -> dict[str, Any]:
 
 
 COMMON_KEYS = ("step", "total_steps", "rng", "record", "config")  # in every checkpoint (checkpoint_state)
+# Checkpoint formats an impl no longer reads: a key only that format's index holds, and what to do.
+RETIRED_FORMATS = {
+    "stage_sha256": "pipeline before 0.10.0 wrote a file per stage rank; it now writes a "
+    "torch.distributed.checkpoint folder keyed by parameter name: finish this run with pipeline 0.9, or start "
+    "it again",
+}
 
 
 def load_checkpoint(
@@ -144,6 +151,8 @@ def load_checkpoint(
             f"{path} is not a checkpoint (a --save-final file holds parameters only): resume from "
             "--checkpoint-dir's step-N.pt"
         )
+    if retired := [why for key, why in RETIRED_FORMATS.items() if key in state]:
+        raise CheckpointError(f"checkpoint {path} is in a format this version no longer reads: {retired[0]}")
     if missing := [key for key in holds if key not in state]:
         own = sorted(set(state) - set(COMMON_KEYS)) or ["nothing else"]
         raise CheckpointError(
@@ -254,18 +263,22 @@ def save_sharded_checkpoint(
     index: Path,
     state: dict[str, Any],
     is_main: bool,
+    by_parameter_name: bool = False,
 ) -> None:
     """Every rank writes its shards of the model and optimizer state into the folder `index` names (without
     `.pt`); after a barrier, rank 0 writes `state` (step, record, RNG, ...) with the folder's name and the
     sha256 of every file in it as the index, atomically. DCP writes in place: the index is what makes the
     set complete, so a crash mid-save leaves the previous index the newest and `--resume auto` never sees
-    the half-written folder. A collective: every rank calls it."""
+    the half-written folder. A collective: every rank calls it. `by_parameter_name`: the optimizer's
+    state keyed by parameter name too, not by its place in the optimizer (impls/pipeline: ranks holding
+    other parameters, a later run cutting the model elsewhere)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     folder = index.parent / index.stem
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # DTensor shards, nothing gathered
+    # DTensor shards, nothing gathered
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(by_parameter_name))
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
     dist.barrier()  # every rank's files are written before the index says the set is complete
     if is_main:
@@ -276,19 +289,64 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, index: Path, state: dict[str, Any]
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    index: Path,
+    state: dict[str, Any],
+    by_parameter_name: bool = False,
 ) -> None:
     """Check the folder beside `index` against the hashes `state` (the index, loaded) lists
-    (CheckpointError), then load this rank's shards of the model and optimizer state in place."""
+    (CheckpointError), then load this rank's shards of the model and optimizer state in place (keyed as
+    `save_sharded_checkpoint` wrote them). A parameter no loss reached (unused: no gradient, so no
+    optimizer state when it was saved) has none after the load either."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     folder = index.parent / state.get("folder", "")
     check_listed_files(index, folder, state.get("sha256", {}))
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, to fill
+    options = _options(by_parameter_name)
+    init_saved_optimizer_state(
+        model, optimizer, set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    )
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)  # to fill
     sharded = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(sharded, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+    set_model_state_dict(model, sharded["model"], options=options)
+    # (strict=False: torch would refuse an unused parameter's missing state; every key saved was loaded)
+    unused_allowed = dataclasses.replace(options, strict=False)
+    set_optimizer_state_dict(model, optimizer, sharded["optimizer"], options=unused_allowed)
+
+
+def init_saved_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str]
+) -> None:
+    """Create the optimizer's state for the parameters a checkpoint holds state of (`saved_keys`: its DCP
+    keys), and for no others, as torch's get_state_dict would for every parameter: one step with zero
+    gradients at lr 0 (nothing moves). A parameter no loss reached (unused) never had a gradient, so has
+    no state in the checkpoint: created here, DCP would refuse the checkpoint as missing it, and the run
+    would hold state an uninterrupted one does not."""
+    if optimizer.state:
+        return
+    for name, parameter in model.named_parameters():
+        if any(key.startswith(f"optimizer.state.{name}.") for key in saved_keys):
+            parameter.grad = torch.zeros_like(parameter)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _options(by_parameter_name: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=by_parameter_name)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

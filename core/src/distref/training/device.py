@@ -83,9 +83,14 @@ def param_dtype(cfg: RunConfig) -> torch.dtype:
 
 def autocast(cfg: RunConfig, device: torch.device):
     """Mixed precision for forward + loss: bf16 autocast on CPU or CUDA, fp16 autocast on CUDA."""
-    if cfg.precision in ("fp32", "fp64"):
+    return autocast_for(cfg.precision, device)
+
+
+def autocast_for(precision: str, device: torch.device):
+    """`autocast` for a --precision value."""
+    if precision in ("fp32", "fp64"):
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 

@@ -29,10 +29,34 @@ def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim
 
 def held_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds of `tensor`: of a DTensor (FSDP's shards), its local part only."""
+    local = local_part(tensor)
+    return local.numel() * local.element_size()
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: a DTensor's local part (tensor parallelism's loss under loss
+    parallelism is a replicated DTensor: every rank holds the whole loss), a plain tensor itself."""
     # (DTensor is not imported to test isinstance: importing torch.distributed.tensor costs every process
     # ~0.4 s, and only DTensor has to_local.)
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def record_held_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Filled by gpt's first forward under tensor parallelism: the shape of what this rank holds of the
+    activations between blocks (sequence parallel: 1/T of the sequence) and of the logits (loss parallel:
+    1/T of the vocabulary). Each hook removes itself once it has looked: nothing runs in later steps."""
+    shapes: dict[str, list[int]] = {}
+    handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+    if hasattr(model, "tp_plan"):  # a model of yours: no gpt blocks to look at
+        return shapes
+    for name, module in (("between_blocks", model.block0), ("logits", model.head)):
+
+        def note(_module, _args, output, name=name) -> None:  # (returning None keeps the output)
+            shapes[name] = list(local_part(output).shape)
+            handles.pop(name).remove()
+
+        handles[name] = module.register_forward_hook(note)
+    return shapes
 
 
 class IntervalTimer:

@@ -1,0 +1,257 @@
+"""The your-model contract: what a model or dataset of yours, `--model MODULE:FUNCTION` and `--dataset
+MODULE:FUNCTION`, must satisfy, and for which impls. Each rule is checked before any rank starts (the
+last, the split model's forward, by the ranks before they train) and refused in one line where it does
+not hold (docs/own-project.md, "The contract").
+
+Every impl (`own_code_problem`, from distref.cli's validate):
+  - each function imports and returns what it must (distref.models.own_model, distref.data.own_dataset):
+    the model an nn.Module, the dataset (train, test) datasets of (input, target) pairs;
+  - the model's forward takes a few of the dataset's inputs and gives logits the loss takes with their
+    targets: a finite loss, as many logits as the targets have classes or more;
+  - with --activation-checkpointing (in an impl that does not cut the model itself), the model is an
+    nn.Sequential of blocks: what recomputes block by block.
+Cut between ranks (model_parallel, pipeline: `cut_problem`): the model is an ordered sequence of blocks,
+its children, whose composition is its forward (`block_sequence_problem`), no parameter is shared by two
+blocks (`tied_across_blocks`), and the cut gives every part parameters.
+Sharded block by block (fsdp: `own_model_tied_across_blocks`): no parameter shared by two blocks.
+Split by tensor parallelism (tensor_parallel: `tp_model_problem`, then `tp_split_problem` on the ranks):
+the model carries its plan, `tp_plan` {linear layer's name: "colwise" | "rowwise"}; no parameter is
+shared by two blocks; each planned layer's features split over --tp; in an nn.Sequential each colwise
+layer's split output reaches a rowwise layer before any other linear layer (`plan_order_problem`); and
+the split model computes what the whole one does.
+
+What an impl does with a model that holds to it (the strategy: its cut, its shards, its plan applied)
+stays in the impl's train.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from distref.config import FactoryError, RunConfig, first_line, is_factory
+from distref.data import DataError, sample_batch
+from distref.distributed.partition import block_sizes, choose_cut_points, named_block_sizes
+from distref.models import BlockModel, GPTConfig, build_model, own_model
+from distref.training.measure import local_part
+from distref.training.steps import loss_sum
+
+PLAN_STYLES = ("colwise", "rowwise")  # what a tp_plan may name (impls/tensor_parallel: STYLES)
+
+
+def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
+    """A model or dataset of your own (MODULE:FUNCTION), tried before any rank starts: each imports, the
+    dataset holds (input, target) pairs, the model is an nn.Module whose forward takes a few of the
+    dataset's inputs and gives logits the loss takes with their targets. With --activation-checkpointing
+    (in an impl that does not cut the model itself) the model is an nn.Sequential: what recomputes block
+    by block. Models that are cut (model_parallel, pipeline) are checked further by the impl
+    (`cut_problem`)."""
+    try:
+        x, y, info = sample_batch(cfg)
+        model = build_model(cfg.model, info, cfg.gpt_layers)
+    except (DataError, FactoryError, ValueError) as exc:
+        return str(exc)
+    on = f"--model {cfg.model} on --dataset {cfg.dataset}"
+    try:
+        with torch.no_grad():
+            logits = model.eval()(x)
+            loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
+    except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
+        return (
+            f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
+            f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line(exc)}"
+        )
+    if not torch.isfinite(loss):
+        return f"{on}: the loss of a first batch is {loss.item()}"
+    if logits.shape[-1] < info.num_classes:  # (the first batch may not hold the largest target)
+        return (
+            f"{on}: the targets go up to {info.num_classes - 1}, but the model gives {logits.shape[-1]} "
+            "logits (one per class)"
+        )
+    if cfg.activation_checkpointing and not cuts_model and not isinstance(model, BlockModel):
+        return (
+            f"--activation-checkpointing recomputes the blocks of an nn.Sequential; {cfg.model} returns a "
+            f"{type(model).__name__}: build it as an nn.Sequential of blocks, or drop the option"
+        )
+    return None
+
+
+# ---- Blocks: a model cut between ranks (model_parallel, pipeline) or sharded block by block (fsdp) ----
+def tied_across_blocks(model: nn.Module) -> str | None:
+    """The first parameter that two blocks share (tied weights, or one block with parameters used twice),
+    in a few words, or None. Impls that split a model by its blocks (cut between ranks, sharded block by
+    block) would hold two copies of it, trained apart; this project's models tie none."""
+    owner: dict[int, tuple[str, str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        block = name.split(".")[0]
+        first_block, first_name = owner.setdefault(id(parameter), (block, name))
+        if first_block != block:
+            return f"{first_name} and {name} are one parameter, in two blocks ({first_block}, {block})"
+    return None
+
+
+def own_model_tied_across_blocks(name: str) -> str | None:
+    """`tied_across_blocks` of a model of yours (built again: validate built and tried it first); None for
+    this project's."""
+    if not is_factory(name):
+        return None
+    try:
+        return tied_across_blocks(own_model(name))
+    except FactoryError:
+        return None  # (said by validate)
+
+
+@torch.no_grad()
+def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None:
+    """Why `model` is not an ordered sequence of blocks (its children, applied in order, giving its
+    forward), or None: what model parallelism and pipelines cut between ranks (each part runs its blocks
+    in order; whatever else the model's forward does would be lost without a word). Checked on a sample
+    batch, in eval mode (no BatchNorm statistics change, no dropout)."""
+    blocks = list(model.named_children())
+    if not blocks:
+        return f"a {type(model).__name__} with no child modules: nothing to cut into blocks"
+    if own := [name for name, _ in model.named_parameters(recurse=False)]:
+        return f"its parameters {', '.join(own)} belong to no block: put them in a block (a child module)"
+    was_training = model.training
+    model.eval()
+    try:
+        whole = model(sample)
+        x = sample
+        for _, block in blocks:
+            x = block(x)
+    except Exception as exc:
+        return f"applying its blocks in order fails ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    if (
+        not isinstance(whole, torch.Tensor)
+        or x.shape != whole.shape
+        or not torch.allclose(x, whole, rtol=1e-5, atol=1e-6)
+    ):
+        names = ", ".join(name for name, _ in blocks)
+        return (
+            f"its forward is not its blocks ({names}) applied in order: an operation in forward (a ReLU, a "
+            "flatten) would be dropped when it is cut; make each one a block, e.g. an nn.Sequential"
+        )
+    return None
+
+
+def cut_problem(cfg: RunConfig, text: str | None, parts: int) -> str | None:
+    """Why the run's model cannot be cut into `parts` parts (`text`: --partition), or None; checked before
+    any rank starts. A model of your own (MODULE:FUNCTION) is built and tried on a sample batch of the
+    run's data: it must be an ordered sequence of blocks (`block_sequence_problem`), and the cut
+    (distref.distributed.partition) must give every part parameters."""
+    if not is_factory(cfg.model):
+        return choose_cut_points(named_block_sizes(cfg.model, cfg.gpt_layers), text, parts, cfg.model)[1]
+    try:
+        x, _, info = sample_batch(cfg)
+        model = build_model(cfg.model, info)
+    except (DataError, FactoryError) as exc:
+        return str(exc)
+    if tied := tied_across_blocks(model):  # (each part would train a copy of its own)
+        return f"--model {cfg.model} cannot be cut between ranks: {tied}; keep tied parameters in one block"
+    if problem := block_sequence_problem(model, x):
+        return f"--model {cfg.model} cannot be cut between ranks: {problem}"
+    return choose_cut_points(block_sizes(model), text, parts, cfg.model)[1]
+
+
+# ---- A plan: a model split by tensor parallelism (tensor_parallel) ----------------------------------
+def tp_model_problem(
+    model_name: str, tp: int, *, sequence_parallel: bool | None, loss_parallel: bool | None
+) -> str | None:
+    """A model split over `tp` ranks by impls/tensor_parallel: gpt, whose heads and MLP units split `tp`
+    ways, or a model of yours carrying a plan (`apply_own_plan`) naming its linear layers, each
+    splittable `tp` ways (sequence and loss parallelism are gpt's). None if it splits."""
+    if not is_factory(model_name):
+        gpt = GPTConfig(vocab_size=1, block_size=1)  # the shape --model gpt has
+        if model_name != "gpt":
+            return (
+                f"--model {model_name}: tensor parallelism here splits gpt's attention heads and MLP, or a "
+                "model of yours by its tp_plan; use --model gpt or MODULE:FUNCTION"
+            )
+        if gpt.n_head % tp or (4 * gpt.n_embd) % tp:
+            return f"--tp {tp} must divide gpt's {gpt.n_head} attention heads and its MLP's {4 * gpt.n_embd} units"
+        return None
+    if sequence_parallel or loss_parallel:
+        return (
+            "--sequence-parallel and --loss-parallel split gpt's layer norms and vocabulary, not a model "
+            "of yours"
+        )
+    model = build_model(model_name, None)  # (validate built it already: it builds)
+    if tied := tied_across_blocks(model):  # a split parameter and its unsplit twin would drift apart
+        return f"--model {model_name}: {tied}; tensor parallelism here splits layers of their own"
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return (
+            f"--model {model_name}: tensor parallelism needs the model's plan, a `tp_plan` attribute "
+            '{submodule name: "colwise" | "rowwise"}, e.g. {"fc1": "colwise", "fc2": "rowwise"}'
+        )
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if style not in PLAN_STYLES:
+            return f'--model {model_name}: tp_plan[{name!r}] is {style!r}, not "colwise" or "rowwise"'
+        if not isinstance(modules.get(name), nn.Linear):
+            return f"--model {model_name}: tp_plan names {name!r}, which is not a linear layer of the model"
+        features = modules[name].out_features if style == "colwise" else modules[name].in_features
+        if features % tp:
+            which = "outputs" if style == "colwise" else "inputs"
+            return f"--model {model_name}: {name}'s {features} {which} ({style}) do not split over --tp {tp}"
+    if isinstance(model, nn.Sequential) and (problem := plan_order_problem(model, plan)):
+        return f"--model {model_name}: {problem}"
+    return None
+
+
+def plan_order_problem(model: nn.Sequential, plan: dict[str, str]) -> str | None:
+    """A plan's layers in the order a (nested) nn.Sequential applies them: each colwise layer's split
+    output must reach a rowwise layer (which sums it whole again) before any other linear layer, and the
+    model must end whole. (What lies between, the ranks check: `tp_split_problem`.)"""
+    split_by = None  # the colwise layer whose split output flows now, if any
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        style = plan.get(name)
+        if style == "colwise" and split_by:
+            return f"{name} is colwise, but its input is {split_by}'s split output: make {name} rowwise"
+        if style == "rowwise" and not split_by:
+            return f"{name} is rowwise, but its input is whole: a colwise layer must come before it"
+        if style is None and split_by:
+            return f"{name} takes {split_by}'s split output: make {name} rowwise (or add it to the plan)"
+        split_by = name if style == "colwise" else None
+    return f"the model ends split ({split_by} is colwise): end with a rowwise layer" if split_by else None
+
+
+@torch.no_grad()
+def tp_split_problem(
+    model: nn.Module, whole: nn.Module, sample: torch.Tensor, device: torch.device, model_name: str
+) -> str | None:
+    """Why the split `model` (a model of yours, split by its tp_plan) does not compute what `whole`, the
+    same parameters unsplit, does on `sample` (the first training inputs) on `device` in eval mode, or
+    None; None for this project's models. Every rank gets the same answer (the split model's output is
+    whole on every rank). A collective: every rank calls it."""
+    if not is_factory(model_name):
+        return None
+    sample = sample.to(device)
+    whole.to(device).eval()
+    model.eval()
+    # (DTensor's sharding propagation logs a failed shape check as a traceback of its own: said here)
+    propagation_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = propagation_log.level
+    propagation_log.setLevel(logging.CRITICAL)
+    try:
+        split = local_part(model(sample))
+    except Exception as exc:
+        return f"--model {model_name}: its tp_plan fails in forward ({type(exc).__name__}: {first_line(exc)})"
+    finally:
+        model.train()
+        propagation_log.setLevel(level)
+    expected = whole(sample)
+    whole.to("cpu").train()
+    if split.shape != expected.shape or not torch.allclose(split, expected, rtol=1e-4, atol=1e-5):
+        return (
+            f"--model {model_name}: split by its tp_plan {dict(model.tp_plan)} it does not compute its "
+            "forward (a colwise layer's sliced output must reach a rowwise layer through element-wise "
+            "operations only)"
+        )
+    return None
