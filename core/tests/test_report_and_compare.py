@@ -386,7 +386,9 @@ def test_a_run_that_dies_before_its_record_is_reported_and_compare_fails(tmp_pat
     impls = tmp_path / "impls"
     shutil.copytree(ROOT / "impls" / "single", impls / "single", ignore=shutil.ignore_patterns("tests"))
     (impls / "crashy").mkdir()
-    (impls / "crashy" / "pyproject.toml").write_text('[project]\nname = "crashy"\nversion = "0.0.1"\n')
+    (impls / "crashy" / "pyproject.toml").write_text(
+        '[project]\nname = "crashy"\nversion = "0.0.1"\n[tool.distref]\ntools_call = ["parse_options"]\n'
+    )
     (impls / "crashy" / "train.py").write_text(
         "import os, sys\nfrom distref.cli import parse_config\n"
         "def parse_options(argv, world_size=1):\n    return parse_config(argv, 'crashy', world_size=world_size)\n"

@@ -121,3 +121,17 @@ def test_train_api_is_what_parse_as_uses():
     )
     assert cfg.strategy.schedule == "zbv" and cfg.strategy.stages_per_rank == 2  # resolved: zbv's V
     assert isinstance(load_train_api(ROOT / "impls" / "single" / "train.py"), TrainAPI)
+
+
+def test_an_impl_that_declares_no_parse_options_is_refused_in_one_line(tmp_path):
+    """compare, parity and ranks parse an impl's command line through its declared parse_options: an impl
+    folder whose pyproject.toml lists none is named, with where to list it."""
+    from distref.impl_folders import parse_as
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "pyproject.toml").write_text('[project]\nname = "mine"\nversion = "0.1.0"\n')
+    (tmp_path / "mine" / "train.py").write_text("def parse_options(argv, world_size):\n    return None\n")
+    with pytest.raises(SystemExit) as refused:
+        parse_as(tmp_path / "mine" / "train.py", [], 1)
+    assert "declares no parse_options(argv, world_size) for the tools" in str(refused.value)
+    assert "[tool.distref] tools_call" in str(refused.value)

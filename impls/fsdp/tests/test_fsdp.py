@@ -131,6 +131,21 @@ def test_bf16_mixed_precision_trains_within_a_band_of_fp32(single_train, tmp_pat
 
 
 @pytest.mark.faults
+def test_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path):
+    """pipeline's checkpoints are DCP folders too, their optimizer state keyed by parameter name: resumed
+    here they are named another impl's in one line (they ended in DCP's `Missing key` traceback)."""
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    args = [*SYNTHETIC, "--global-batch-size", "16", "--steps", "4", "--timeout", "60"]
+    made = launch(2, "pipeline", [*args, *ckpt, "--checkpoint-every", "2", "--out", str(tmp_path / "pp")])
+    assert made.returncode == 0, made.stderr[-2000:]
+    refused = launch(2, IMPL, [*args, *ckpt, "--resume", "auto", "--out", str(tmp_path / "fsdp")])
+    assert refused.returncode != 0
+    said = "fsdp: error: checkpoint " + str(tmp_path / "ckpt" / "step-00000004.pt") + " is another impl's"
+    assert refused.stderr.count(said) == 1 and "keyed by parameter name" in refused.stderr
+    assert 'train.py", line' not in refused.stderr  # no rank's traceback
+
+
+@pytest.mark.faults
 def test_a_checkpoint_saved_by_2_ranks_resumes_at_4_and_an_altered_one_is_refused(single_train, tmp_path):
     """torch.distributed.checkpoint reshards on load: 2 ranks save at step 6, 4 ranks continue to 8, equal
     (fp64, AdamW: optimizer state resharded too) to an uninterrupted run. A file changed after it

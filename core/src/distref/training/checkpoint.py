@@ -285,6 +285,7 @@ def save_sharded_checkpoint(
         # DCP's .metadata is a pickle, read with pickle.load: the hashes taken now are checked on resume
         # before anything is read.
         listed = {"folder": folder.name, "world_size": dist.get_world_size(), "sha256": folder_hashes(folder)}
+        listed["optimizer_by_parameter_name"] = by_parameter_name  # (how load_sharded_checkpoint reads it)
         save_checkpoint(index, {**state, **listed})
 
 
@@ -307,6 +308,12 @@ def load_sharded_checkpoint(
     )
 
     folder = index.parent / state.get("folder", "")
+    if state.get("optimizer_by_parameter_name", False) != by_parameter_name:
+        keyed = "by parameter name (impls/pipeline's)" if by_parameter_name is False else "by its place"
+        raise CheckpointError(
+            f"checkpoint {index} is another impl's (its optimizer state is keyed {keyed}): resume it with the "
+            "impl that wrote it"
+        )
     check_listed_files(index, folder, state.get("sha256", {}))
     options = _options(by_parameter_name)
     init_saved_optimizer_state(
