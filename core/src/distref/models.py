@@ -195,6 +195,12 @@ def gpt(cfg: GPTConfig) -> BlockModel:
     return model
 
 
+def parameter_dtype(precision: str) -> torch.dtype:
+    """The dtype a model's parameters are held in for a --precision: float64 under fp64, else float32
+    (bf16/fp16 are autocast over fp32 parameters)."""
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
 def build_model(
     name: str, info: DatasetInfo, gpt_layers: int = 2, dtype: torch.dtype = torch.float32
 ) -> nn.Module:

@@ -87,7 +87,7 @@ from distref.cost.sharded import fsdp, fsdp_model_states, rows_held
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
 from distref.cost.usage import model_usage
 from distref.data.tensors import DatasetInfo
-from distref.models import GPTConfig, build_model
+from distref.models import GPTConfig, build_model, parameter_dtype
 
 Shape = tuple[int, ...]
 
@@ -471,7 +471,7 @@ def tensor_parallel_run_cost(
         optimizer=cfg.optimizer,
         weight_decay=cfg.weight_decay,
         precision=cfg.precision,
-        element_bytes=8 if cfg.precision == "fp64" else 4,  # the parameters' (training.device.param_dtype)
+        element_bytes=parameter_dtype(cfg.precision).itemsize,
         step_bytes=torch.get_default_dtype().itemsize,
         activation_checkpointing=cfg.activation_checkpointing,
     )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from distref.config import RunConfig
+from distref.models import parameter_dtype
 
 
 def configure_cpu_threads() -> int:
@@ -78,7 +79,7 @@ def param_dtype(cfg: RunConfig) -> torch.dtype:
     fp32 parameters). In fp64 the rounding that a different summation order leaves (~1e-16 instead of
     ~1e-7) stays negligible even after AdamW normalises tiny gradients: parity holds for any optimizer,
     world size and accumulation."""
-    return torch.float64 if cfg.precision == "fp64" else torch.float32
+    return parameter_dtype(cfg.precision)
 
 
 def autocast(cfg: RunConfig, device: torch.device):
