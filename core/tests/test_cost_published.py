@@ -224,15 +224,23 @@ def test_our_gpt_block_is_megatron_s_layer_without_dropout_and_score_matrix(s, h
     Megatron's 34sbh + 5as²b, exactly: with 2-byte elements ours = Megatron − 2sbh (the two 1-byte
     dropout masks on the residual branches: gpt has no dropout) − 5as²b (the s² score matrix, its
     dropout mask and output: SDPA saves none, it recomputes them) + 2·(4s + as)·b (what Megatron leaves
-    out: the layer norms' mean and rstd, SDPA's log-sum-exp). In fp32 everything but the masks doubles."""
-    for e in (2, 4):
+    out: the layer norms' mean and rstd, SDPA's log-sum-exp, fp32 on CUDA with 16-bit parameters). In fp32
+    everything but the masks doubles."""
+    fp32, sixteen_bits = activations.saving_for("fp32"), activations.saving_for("bf16", "cuda", "16-bit")
+    for sv, e in ((sixteen_bits, 2), (fp32, 4)):
         (block,) = {
-            blk.own for blk in activations.gpt_blocks(s, h, a, layers=2, e=e, checkpointed=False)[1:-1]
+            blk.own
+            for blk in activations.gpt_blocks(s, h, a, layers=2, vocab=11, sv=sv, checkpointed=False)[1:-1]
         }
         dense = Fraction(e, 2) * (megatron_per_layer(s, b, h, a) - 2 * s * b * h - 5 * a * s * s * b)
-        assert block * b == dense + e * (4 * s + a * s) * b
+        assert block * b == dense + 4 * (4 * s + a * s) * b
     # full recomputation: Megatron keeps each layer's 16-bit input, 2sbh; a checkpointed gpt block its input
-    (kept,) = {blk.own for blk in activations.gpt_blocks(s, h, a, layers=2, e=2, checkpointed=True)[1:-1]}
+    (kept,) = {
+        blk.own
+        for blk in activations.gpt_blocks(s, h, a, layers=2, vocab=11, sv=sixteen_bits, checkpointed=True)[
+            1:-1
+        ]
+    }
     assert kept * b == 2 * s * b * h
 
 

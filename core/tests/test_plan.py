@@ -109,7 +109,7 @@ def test_a_pipeline_s_memory_follows_its_schedule():
     model = decoder("1.3b", MODELS["1.3b"])
     cluster = Cluster(GPUS["h100-80gb"], 8)
     training = Training(32, 1, "fp32", "adamw", False, 0.4)
-    blocks, loss = model.formula(4, False)
+    blocks, loss = model.formula(training.saving("pp-gpipe", model.gpt), False)
     bounds = cut_bounds(model, 8)
 
     def stage(r: int) -> int:  # one micro-batch's activations on stage r
@@ -285,7 +285,10 @@ def test_project_models_and_any_module_are_planned(capsys, tmp_path, monkeypatch
     ddp = next(row for row in json.loads(out) if row["strategy"] == "ddp")
     lenet = project_model("lenet")
     assert (ddp["micro_batch"], ddp["grad_accum"]) == (1, 32)  # 64 = 2 ranks × 1 sample × 32 micro-steps
-    assert ddp["memory_per_gpu_bytes"]["activations"] == act.stage_bytes(*lenet.formula(2, False), 1)
+    sixteen_bits = act.saving_for("bf16", "cpu", "16-bit")  # mixed precision: 16-bit parameters
+    assert ddp["memory_per_gpu_bytes"]["activations"] == act.stage_bytes(
+        *lenet.formula(sixteen_bits, False), 1
+    )
     (tmp_path / "mymodel.py").write_text(
         "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(1000, 4000), torch.nn.Linear(4000, 10))\n"
     )
@@ -378,3 +381,36 @@ def test_pipelines_side_by_side_sum_their_gradients_and_take_the_first_s_buffers
     assert rank == rows[1].pipeline_rank and buffers > 0
     moved = {dp: sum(row.communication_bytes.values()) for dp, row in rows.items()}
     assert moved[2] - moved[1] == 2 * (2 - 1) / 2 * gradients + buffers
+
+
+@pytest.mark.parametrize(
+    "precision, parameters", [("mixed", "16-bit"), ("autocast", "full"), ("fp32", "full")]
+)
+def test_activations_are_planned_as_each_precision_saves_them_on_cuda(precision, parameters, capsys):
+    """A decoder on H100s: the whole-model rows' activations are distref.cost.activations' for that
+    precision on CUDA's kernels (mixed: 16-bit parameters, cuDNN attention; autocast: fp32 stream and
+    16-bit copies, cuDNN; fp32: the memory-efficient kernel's padded log-sum-exp), not an fp32 formula
+    scaled; and the rows say which rules no GPU has measured."""
+    code, out = run_plan(
+        capsys, "--model", "125m", "--gpus", "8", "--precision", precision, "--global-batch", "8", "--json"
+    )
+    assert code == 0
+    rows = {row["strategy"]: row for row in reversed(json.loads(out))}  # (each strategy's first row)
+    bf16 = precision != "fp32"
+    # fsdp as impls/fsdp computes under bf16 (its policy's 16-bit parameters, the loop's autocast),
+    # zero as DeepSpeed's bf16 module does; ddp as the precision says
+    for strategy, its_parameters in (
+        ("ddp", parameters),
+        ("fsdp", "16-bit under autocast" if bf16 else "full"),
+        ("zero2", "16-bit" if bf16 else "full"),
+    ):
+        row = rows[strategy]
+        sv = act.saving_for("bf16" if bf16 else "fp32", "cuda", its_parameters)
+        expected = act.stage_bytes(*decoder("125m", MODELS["125m"]).formula(sv, False), row["micro_batch"])
+        assert row["memory_per_gpu_bytes"]["activations"] == expected, strategy
+        assert sv.attention == ("cudnn" if bf16 else "efficient")  # (head size 64)
+        assert any(f"SDPA's {sv.attention} kernel on CUDA" in note for note in row["extrapolated"])
+        assert not any("2 bytes" in note for note in row["extrapolated"])
+    assert any("--precision autocast" in note for note in rows["ddp"]["extrapolated"]) == (
+        precision == "mixed"
+    )

@@ -10,6 +10,7 @@ from distref.cost.activations import (
     Loss,
     gpt_blocks,
     megatron_layer_activation_bytes,
+    saving_for,
     stage_bytes,
 )
 from distref.cost.tp_activations import chunk, tensor_parallel_activation_bytes
@@ -40,19 +41,24 @@ def test_the_default_two_rank_run_by_hand():
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
-@pytest.mark.parametrize("element_bytes", [4, 8])
-def test_one_rank_is_single(checkpointed, element_bytes):
-    """On a group of one the formula is single's (distref.cost.activations)."""
-    e, s, h, a, L, V, b = element_bytes, 16, 64, 4, 2, 11, 24
+@pytest.mark.parametrize(
+    "precision, device",
+    [("fp32", "cpu"), ("fp64", "cpu"), ("bf16", "cpu"), ("bf16", "cuda"), ("fp32", "cuda")],
+)
+def test_one_rank_is_single(checkpointed, precision, device):
+    """On a group of one the formula is single's (distref.cost.activations), in fp32, fp64 and under
+    autocast, with the CPU's SDPA kernel and CUDA's."""
+    sv = saving_for(precision, device)
+    s, h, a, L, V, b = 16, 64, 4, 2, 11, 24
     single = stage_bytes(
-        gpt_blocks(seq=s, hidden=h, heads=a, layers=L, e=e, checkpointed=checkpointed),
-        Loss(e * s * V + INDEX_BYTES * s, e),
+        gpt_blocks(seq=s, hidden=h, heads=a, layers=L, vocab=V, sv=sv, checkpointed=checkpointed),
+        Loss(sv.accumulate * s * V + INDEX_BYTES * s, sv.accumulate),
         b,
     )
     shape = dict(micro_batch=b, seq=s, hidden=h, heads=a, layers=L, vocab=V, tp=1, tp_rank=0)
-    shape.update(sequence_parallel=True, loss_parallel=True, element_bytes=e, checkpointed=checkpointed)
+    shape.update(sequence_parallel=True, loss_parallel=True, checkpointed=checkpointed, saving=sv)
     assert tensor_parallel_activation_bytes(**shape) == single
-    if e == 4 and not checkpointed:
+    if (precision, device, checkpointed) == ("fp32", "cpu", False):
         assert single == SINGLE_B24
 
 
@@ -63,11 +69,12 @@ def test_megatron_s_per_layer_terms_are_the_same_split():
     s, b, h, a = 16, 24, 64, 4
     for t in (1, 2, 4):
         shape = dict(micro_batch=b, seq=s, hidden=h, heads=a, vocab=11, tp=t, tp_rank=0)
-        shape.update(sequence_parallel=False, loss_parallel=True, element_bytes=2)
+        # 16-bit parameters on CUDA: 16-bit activations, fp32 statistics and log-sum-exp (flash)
+        shape.update(sequence_parallel=False, loss_parallel=True, saving=saving_for("bf16", "cuda", "16-bit"))
         one_layer = tensor_parallel_activation_bytes(**shape, layers=2) - tensor_parallel_activation_bytes(
             **shape, layers=1
         )
-        statistics = 2 * (4 * b * s + b * a * s // t)
+        statistics = 4 * (4 * b * s + b * a * s // t) + 16  # (flash's random-number state: 16 per forward)
         megatron = megatron_layer_activation_bytes(s, b, h, a, t=t, recompute="selective")
         assert one_layer - statistics == megatron - 2 * s * b * h  # less the masks, 1 byte × 2 per sbh
 

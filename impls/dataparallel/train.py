@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
         unknown=usage.unknown,
         # --- DataParallel: with several GPUs neither communication nor activations have a formula
         activations=(
-            predicted_for_run(cfg, info) if one_device else None,
-            no_formula(cfg.model, cfg.precision) or threads,
+            predicted_for_run(cfg, info, device=device.type)[0] if one_device else None,
+            no_formula(cfg.model, cfg.precision, device.type) or threads,
         ),
         communication_unavailable=threads,
     )

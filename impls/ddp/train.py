@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distref import impl_version
 from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
-from distref.cost.activations import no_formula, predicted_for_run
+from distref.cost.activations import predicted_for_run
 from distref.cost.data_parallel import ddp_rank_cost
 from distref.cost.usage import Usage, model_usage, parameters_of
 from distref.data import (
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer=cfg.optimizer,
         step_bytes=torch.get_default_dtype().itemsize,
         unknown=usage.unknown,
-        activations=(predicted_for_run(cfg, info, world_size), no_formula(cfg.model, cfg.precision)),
+        activations=predicted_for_run(cfg, info, world_size, device.type),
     )
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- DDP: to rank 0
     if is_main:

@@ -38,7 +38,7 @@ import torch.distributed as dist  # --- ZERO ---
 from distref import impl_version
 from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, positive_float, under_torchrun, uses_cuda
-from distref.cost.activations import no_formula, predicted_for_run
+from distref.cost.activations import parameters_in, predicted_for_run
 from distref.cost.usage import model_usage, parameters_of
 from distref.cost.zero import zero_rank_cost
 from distref.data import (
@@ -82,6 +82,7 @@ from distref.training.measure import zero_model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_lr_schedule, make_optimizer, total_steps
 from distref.training.steps import evaluate, loss_sum
+from distref.your_model import batch_norm_in_16_bits_problem
 
 IMPL = "deepspeed_zero"
 VERSION = impl_version(__file__)
@@ -422,7 +423,11 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer=cfg.optimizer,
         step_bytes=torch.get_default_dtype().itemsize,
         unknown=usage.unknown,
-        activations=(predicted_for_run(cfg, info, world_size), no_formula(cfg.model, cfg.precision)),
+        # --- ZERO: bf16/fp16 parameters compute in 16 bits, as DeepSpeed casts the module
+        activations=predicted_for_run(
+            cfg, info, world_size, device.type, parameters=parameters_in(compute_dtype, autocast=False)
+        ),
+        session_steps=n_steps - start_step,  # (ZeRO-3's second step checks its trace: not the steady one)
     )
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- ZERO: to rank 0
     if is_main:
@@ -493,7 +498,7 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
         # DeepSpeed 0.19 runs bf16 at stage 0 through its fp16-style path, without fp32 master weights
         # (updates rounded to bf16), unlike stages 1-3: refused rather than a less accurate model silently.
         return "--precision bf16 needs --zero-stage 1, 2 or 3 (stage 0 keeps no fp32 master weights)"
-    return None
+    return batch_norm_in_16_bits_problem(cfg, "DeepSpeed's bf16 module")
 
 
 def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (
 from distref import impl_version
 from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, under_torchrun
-from distref.cost.activations import no_formula, predicted_for_run
+from distref.cost.activations import parameters_in, predicted_for_run
 from distref.cost.sharded import fsdp_rank_cost
 from distref.cost.usage import model_usage, parameters_by_block
 from distref.data import (
@@ -80,7 +80,7 @@ from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
 from distref.training.optim import make_grad_scaler, make_lr_schedule, make_optimizer, total_steps
 from distref.training.steps import loss_sum
-from distref.your_model import own_model_tied_across_blocks
+from distref.your_model import batch_norm_in_16_bits_problem, own_model_tied_across_blocks
 
 IMPL = "fsdp"
 VERSION = impl_version(__file__)
@@ -319,7 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer=cfg.optimizer,
         step_bytes=torch.get_default_dtype().itemsize,
         unknown=usage.unknown,
-        activations=(predicted_for_run(cfg, info, world_size), no_formula(cfg.model, cfg.precision)),
+        # --- FSDP: under --precision bf16 the policy's parameters compute in bf16, as gathered
+        activations=predicted_for_run(
+            cfg, info, world_size, device.type, parameters=parameters_in(policy.param_dtype)
+        ),
     )
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- FSDP: to rank 0
     if is_main:
@@ -342,7 +345,7 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
         return "--precision fp16 is not supported with FSDP2 here (no sharded loss scaler): use bf16"
     if tied := own_model_tied_across_blocks(cfg.model):  # --- FSDP: each block is sharded on its own
         return f"--model {cfg.model}: {tied}; fsdp shards each block on its own: keep them in one block"
-    return None
+    return batch_norm_in_16_bits_problem(cfg, "FSDP2's MixedPrecisionPolicy")
 
 
 def parse_options(argv: list[str] | None, world_size: int | None = None) -> RunConfig:

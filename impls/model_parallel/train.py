@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
     mine, checkpointed = bounds if world_size > 1 else [(0, n_blocks)], cfg.activation_checkpointing
     held = part_bytes(
-        cfg.model, info, cfg.gpt_layers, mine, rank, micro_batch, 1, cfg.precision, checkpointed
+        cfg.model, info, cfg.gpt_layers, mine, rank, micro_batch, 1, cfg.precision, checkpointed, device.type
     )
     predicted = model_parallel_rank_cost(
         activation_bytes,
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer=cfg.optimizer,
         step_bytes=torch.get_default_dtype().itemsize,
         unknown=usage.unknown,
-        activations=(held, no_formula(cfg.model, cfg.precision)),
+        activations=(held, no_formula(cfg.model, cfg.precision, device.type)),
     )
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- MODEL PARALLEL
     if is_main:

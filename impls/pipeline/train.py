@@ -468,9 +468,11 @@ def main(argv: list[str] | None = None) -> dict:
         step_bytes=torch.get_default_dtype().itemsize,
         unknown=usage.unknown,
         # --- PIPELINE: the activations its stages hold at once in the schedule's order of work
-        activations=pipeline_rank_activations(cfg, info, bounds, order, len(micro_batch), options.schedule),
+        activations=pipeline_rank_activations(
+            cfg, info, bounds, order, len(micro_batch), options.schedule, device.type
+        ),
     )
-    # (the stages' own saved-tensor hooks hide the step's activations from distref.training.traffic's)
+    # --- PIPELINE: the stages' own saved-tensor hooks hide the step's activations from traffic's meter
     finish_record(
         record, cfg.global_batch_size, state_bytes, world_size, predicted, meter.peak_activation_bytes
     )

@@ -12,7 +12,7 @@ import torch
 from distref import impl_version
 from distref.cli import exit_on_bad_input, parse_config
 from distref.config import RunConfig
-from distref.cost.activations import no_formula, predicted_for_run
+from distref.cost.activations import predicted_for_run
 from distref.cost.memory import one_process_cost
 from distref.cost.usage import model_usage, parameters_of
 from distref.data import eval_batches, load_dataset, scored_targets, steps_per_epoch, train_loader
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer=cfg.optimizer,
         step_bytes=torch.get_default_dtype().itemsize,
         unknown=usage.unknown,
-        activations=(predicted_for_run(cfg, info), no_formula(cfg.model, cfg.precision)),
+        activations=predicted_for_run(cfg, info, device=device.type),
     )
     record.finish(cfg.global_batch_size, record.training_peak_memory(), [state_bytes], [predicted.as_dict()])
     print_summary(record.data)

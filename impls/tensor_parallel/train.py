@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         dp_rank=dp_rank,
         sequence_parallel=sp,
         loss_parallel=lp,
+        device=device.type,
     )
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- TP: to rank 0
     if is_main:

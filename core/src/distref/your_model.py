@@ -103,6 +103,32 @@ def own_model_tied_across_blocks(name: str) -> str | None:
         return None  # (said by validate)
 
 
+def batch_norm_in_16_bits_problem(cfg: RunConfig, who: str) -> str | None:
+    """Why the run cannot compute with 16-bit parameters (FSDP2's bf16 policy, DeepSpeed's bf16 module:
+    `who`), or None: its model has a BatchNorm (resnet18, or one in a model of yours), whose weights
+    would be 16-bit and its running statistics fp32 buffers, which torch's batch_norm refuses ("expected
+    scalar type BFloat16 but found Float", on the CPU and on CUDA)."""
+    if cfg.precision not in ("bf16", "fp16"):
+        return None
+    if cfg.model == "resnet18":
+        found = "resnet18's BatchNorm layers keep"
+    elif is_factory(cfg.model):
+        try:
+            model = own_model(cfg.model)
+        except FactoryError:
+            return None  # (said by validate)
+        names = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not names:
+            return None
+        found = f"its BatchNorm {names[0]} keeps"
+    else:
+        return None
+    return (
+        f"--model {cfg.model} --precision {cfg.precision}: {who} computes with {cfg.precision} parameters, "
+        f"but {found} fp32 running statistics, which torch's batch_norm refuses; use --precision fp32"
+    )
+
+
 @torch.no_grad()
 def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None:
     """Why `model` is not an ordered sequence of blocks (its children, applied in order, giving its

@@ -37,7 +37,14 @@ def dataparallel_train():
     return load_train_module("dataparallel")
 
 
-@pytest.mark.parametrize("extra", [["--model", "lenet", "--grad-accum", "2"], ["--model", "gpt"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--model", "lenet", "--grad-accum", "2"],
+        ["--model", "gpt"],
+        ["--model", "gpt", "--precision", "bf16"],
+    ],
+)
 def test_model_states_and_activations_equal_the_formulas(dataparallel_train, extra, tmp_path):
     """On one device (no GPUs here) DataParallel runs the module as it is: nothing communicated, a full
     replica of the model states and one micro-batch's activations, equal to distref.cost's formulas."""

@@ -480,8 +480,17 @@ def test_two_gpus_match_single(single_train, tmp_path):
         (2, ["--model", "lenet", "--comm-hook", "bf16"]),  # half the bytes
         (2, ["--model", "lenet", "--comm-hook", "bf16", "--precision", "fp64"]),  # a quarter
         (2, ["--model", "resnet18", "--grad-accum", "2", "--global-batch-size", "8"]),  # BatchNorm buffers
+        (2, ["--model", "gpt", "--precision", "bf16", "--grad-accum", "2"]),  # autocast's copies
     ],
-    ids=["w2", "w3-accum", "w3-gpt-buckets", "w2-bf16", "w2-bf16-fp64", "w2-resnet-buffers"],
+    ids=[
+        "w2",
+        "w3-accum",
+        "w3-gpt-buckets",
+        "w2-bf16",
+        "w2-bf16-fp64",
+        "w2-resnet-buffers",
+        "w2-gpt-autocast",
+    ],
 )
 def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     """What one step sends, counted at the dispatcher, equals distref.cost.data_parallel.ddp exactly, and

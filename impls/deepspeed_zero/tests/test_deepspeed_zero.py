@@ -217,6 +217,13 @@ def test_checkpoint_of_another_layout_or_altered_is_refused_in_one_line(tmp_path
             2,
             "--precision bf16 needs --zero-stage 1, 2 or 3 (stage 0 keeps no fp32 master weights)",
         ),
+        (  # (it crashed in the first forward: "expected scalar type BFloat16 but found Float")
+            ["--zero-stage", "2", "--precision", "bf16", "--model", "resnet18"],
+            2,
+            "--model resnet18 --precision bf16: DeepSpeed's bf16 module computes with bf16 parameters, but "
+            "resnet18's BatchNorm layers keep fp32 running statistics, which torch's batch_norm refuses; "
+            "use --precision fp32",
+        ),
         (
             ["--precision", "fp16", "--device", "cpu"],
             2,
@@ -366,6 +373,7 @@ def test_bf16_on_gpus_trains_within_a_band_of_fp32(single_train, tmp_path):
     assert ((bf16 - fp32).abs() / fp32).max().item() < 2e-2
 
 
+BF16 = ["--precision", "bf16"]
 # 0.0625 MB = 16384 elements: gpt's 102400 parameters fill 11 reduce buckets (a --bucket-mb giving an odd
 # number of elements is refused at stages 1 and 2: allgather_bucket_size must be a multiple of 2). 0.005 MB
 # = 1310 elements, less than lenet's fc1 and conv2 weights: each is all-reduced in one piece per partition
@@ -383,6 +391,17 @@ COST_CASES = {
     "stage3-lenet-w2": (3, 2, ["--model", "lenet"]),
     "stage3-gpt-w3-padded": (3, 3, ["--model", "gpt"]),  # every tensor padded to a multiple of 3
     "stage3-lenet-w3-sgd-accum2": (3, 3, ["--model", "lenet", "--optimizer", "sgd", "--grad-accum", "2"]),
+    # One rank: nothing gathered, so stage 3 beyond one prefetch bucket has its formula (5 reduce buckets)
+    "stage3-lenet-w1-small-buckets": (3, 1, ["--model", "lenet", "--bucket-mb", "0.005"]),
+    # bf16 (stages 1-3): bf16 buffers, gradients and collectives, fp32 masters and optimizer states;
+    # stages 1/2 all-reduce a 1-byte overflow flag besides the fp32 norm (zero_bf16_communication)
+    "stage1-lenet-w3-bf16-small-buckets": (1, 3, ["--model", "lenet", *BF16, "--bucket-mb", "0.005"]),
+    "stage1-lenet-w1-bf16": (1, 1, ["--model", "lenet", *BF16]),  # the flag all-reduced on one rank too
+    "stage2-gpt-w2-bf16-accum2": (2, 2, ["--model", "gpt", *BF16, "--grad-accum", "2"]),
+    "stage2-gpt-w3-bf16-sgd-padded": (2, 3, ["--model", "gpt", *BF16, "--optimizer", "sgd"]),
+    "stage3-gpt-w3-bf16-padded": (3, 3, ["--model", "gpt", *BF16]),
+    "stage3-lenet-w2-bf16-accum2": (3, 2, ["--model", "lenet", *BF16, "--grad-accum", "2"]),
+    "stage3-gpt-w1-bf16-buckets": (3, 1, ["--model", "gpt", *BF16, "--bucket-mb", "0.0625"]),
 }
 
 
@@ -402,6 +421,19 @@ def test_cost_equals_the_formulas(case, tmp_path):
         3: {"all_gather", "reduce_scatter", "all_reduce"},
     }[stage]
     assert set(record["communication"]["measured"][0]) == (kinds - {"all_gather"} if world == 1 else kinds)
+
+
+def test_a_two_step_session_at_stage_3_says_why_its_communication_is_not_predicted(tmp_path):
+    """A session of 2 steps counts its second, in which ZeRO-3 checks its recorded fetch trace across
+    ranks: 6 broadcasts no formula counts. The record predicts none and says why (it predicted the step
+    without them before)."""
+    run_zero(1, [*COST_RUN, "--steps", "2", "--zero-stage", "3", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["communication"]["step"] == 1
+    assert record["communication"]["measured"][0]["broadcast"]["calls"] == 6
+    assert record["communication"]["predicted"] is None
+    assert "ZeRO-3 in a session of 2 step(s)" in record["predicted_unavailable"]["communication"]
+    check_model_states_predicted(record)
 
 
 @pytest.mark.parametrize(

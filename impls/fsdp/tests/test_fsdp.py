@@ -218,6 +218,9 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
     check_stopped_rank_is_named(IMPL, [*SYNTHETIC, "--steps", "100000"], tmp_path)
 
 
+OWN_DATA = ("--dataset", "distref.testing.own:example_data")
+
+
 @pytest.mark.parametrize(
     ("argv", "world", "message"),
     [
@@ -232,6 +235,20 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
             ["--global-batch-size", "10"],
             4,
             "--global-batch-size 10 must be divisible by world size × --grad-accum = 4 × 1 = 4",
+        ),
+        (  # (it crashed in the first forward: "expected scalar type BFloat16 but found Float")
+            ["--model", "resnet18", "--precision", "bf16"],
+            2,
+            "--model resnet18 --precision bf16: FSDP2's MixedPrecisionPolicy computes with bf16 parameters, "
+            "but resnet18's BatchNorm layers keep fp32 running statistics, which torch's batch_norm refuses; "
+            "use --precision fp32",
+        ),
+        (
+            [*("--model", "distref.testing.own:batch_norm_mlp", "--precision", "bf16"), *OWN_DATA],
+            2,
+            "--model distref.testing.own:batch_norm_mlp --precision bf16: FSDP2's MixedPrecisionPolicy "
+            "computes with bf16 parameters, but its BatchNorm 1.norm keeps fp32 running statistics, which "
+            "torch's batch_norm refuses; use --precision fp32",
         ),
     ],
 )
@@ -301,8 +318,17 @@ def test_on_gpus_matches_single_and_bf16_stays_within_a_band(single_train, tmp_p
             2,
             ["--model", "lenet", "--precision", "bf16", "--cpu-offload"],
         ),  # gathered in bf16, reduced in fp32
+        (2, ["--model", "gpt", "--precision", "bf16"]),  # bf16 residual stream: every unit's input cast
     ],
-    ids=["w2", "w3-uneven", "w4-hsdp2", "w2-gpt-no-reshard", "w3-gpt-accum2", "w2-bf16-offload"],
+    ids=[
+        "w2",
+        "w3-uneven",
+        "w4-hsdp2",
+        "w2-gpt-no-reshard",
+        "w3-gpt-accum2",
+        "w2-bf16-offload",
+        "w2-gpt-bf16",
+    ],
 )
 def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     """What one step sends, counted at the dispatcher, equals distref.cost.sharded.fsdp exactly (calls and
@@ -311,8 +337,7 @@ def test_cost_equals_the_formulas(world_size, extra, tmp_path):
     run_fsdp(world_size, [*COST_RUN, *extra, "--out", str(tmp_path)])
     record = check_communication_predicted(tmp_path, world_size)
     check_model_states_predicted(record)
-    if "--precision" not in extra:  # (activations: fp32/fp64 formulas only)
-        check_activations_predicted(record)
+    check_activations_predicted(record)  # (bf16: the policy's parameters and inputs in 16 bits)
     measured = record["communication"]["measured"]
     units = 4  # every block of lenet and gpt (embedding, 2 layers, head) is a fully_shard unit
     micro_steps = 2 if "--grad-accum" in extra else 1

@@ -260,8 +260,9 @@ def test_both_forms_on_two_gpus_match_single(form, single_train, tmp_path):
         (3, ["--model", "lenet", "--grad-accum", "2", "--optimizer", "sgd"]),  # M = 2 micro-batches
         (3, ["--model", "gpt", "--gpt-layers", "2", "--precision", "bf16"]),  # bf16 activations
         (2, ["--model", "lenet", "--devices", "cpu,cpu"]),  # one process: nothing to send
+        (2, ["--model", "resnet18", "--precision", "bf16", "--global-batch-size", "8"]),  # 16-bit convs
     ],
-    ids=["p2", "p3-accum", "p3-gpt-bf16", "one-process"],
+    ids=["p2", "p3-accum", "p3-gpt-bf16", "one-process", "p2-resnet-bf16"],
 )
 def test_cost_equals_the_formulas(parts, extra, tmp_path):
     """What one step sends and receives, counted at the dispatcher, equals distref.cost.pipeline.
@@ -272,8 +273,7 @@ def test_cost_equals_the_formulas(parts, extra, tmp_path):
     run_mp([*COST_RUN, *extra, *nproc, "--out", str(tmp_path)])
     record = check_communication_predicted(tmp_path, ranks)
     check_model_states_predicted(record)
-    if "--precision" not in extra:  # one micro-batch at a time through this rank's blocks
-        check_activations_predicted(record)
+    check_activations_predicted(record)  # one micro-batch at a time through this rank's blocks
     if ranks > 1:
         assert all(
             m["send"]["calls"] > 0 and m["recv"]["calls"] > 0 for m in record["communication"]["measured"]

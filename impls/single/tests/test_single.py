@@ -188,8 +188,20 @@ def test_data_loader_workers_do_not_change_the_result(single_train, tmp_path):
         ["--model", "lenet", "--activation-checkpointing", "--grad-accum", "2"],
         ["--model", "gpt", "--gpt-layers", "3"],
         ["--model", "gpt", "--activation-checkpointing", "--precision", "fp64"],
+        # bf16 autocast: 16-bit copies of inputs and weights, fp32 residual stream and statistics
+        ["--model", "lenet", "--precision", "bf16", "--grad-accum", "2"],
+        ["--model", "gpt", "--precision", "bf16"],
+        ["--model", "gpt", "--precision", "bf16", "--activation-checkpointing"],
     ],
-    ids=["lenet", "lenet-checkpointed-accum", "gpt-3-layers", "gpt-checkpointed-fp64"],
+    ids=[
+        "lenet",
+        "lenet-checkpointed-accum",
+        "gpt-3-layers",
+        "gpt-checkpointed-fp64",
+        "lenet-bf16-accum",
+        "gpt-bf16",
+        "gpt-bf16-checkpointed",
+    ],
 )
 def test_model_states_and_activations_equal_the_formulas(single_train, extra, tmp_path):
     """One process: nothing communicated; model states and the activations a step holds for backward

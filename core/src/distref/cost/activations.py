@@ -32,8 +32,15 @@ received), the loss on the last stage, times the micro-batches in flight: M for 
 before any backward), min(M, p − s) on stage s for 1F1B (GPipe arXiv 1811.06965; PipeDream-Flush /
 Megatron-LM arXiv 2104.04473 §2.2); the multi-stage schedules by their own order of work (`held_in_order`),
 those that split the backward (zero-bubble, ZBV, DualPipeV) freeing part at each pass (`stage_holdings`).
-Mixed precision (autocast keeps some inputs in bf16, some in fp32) has no formula yet: the functions
-return None.
+
+In 16 bits (`Saving`, `saving_for`) each kind of tensor has its own element size: under autocast over fp32
+parameters the weighted ops' outputs (and what follows them) are 16-bit, gpt's residual stream, the layer
+norms' inputs and statistics stay fp32, each weighted op saves its own 16-bit cast of an fp32 input (q, k
+and v three of ln1's output), and its weight's cast once per autocast region (`Block.weights`: a
+pipeline's schedule shares one region among its micro-batches); with 16-bit parameters (FSDP2's policy,
+DeepSpeed) everything is 16-bit but the log-sum-exp and the loss. SDPA's kernel (the CPU's, CUDA's flash,
+memory-efficient, cuDNN or math) decides what attention saves: distref.cost.attention. The table above
+is fp32's (e = 4) and fp64's (e = 8) on the CPU's kernel.
 """
 
 from __future__ import annotations
@@ -43,9 +50,93 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from distref.config import RunConfig
+from distref.cost.attention import attention_saves, sdpa_kernel
 from distref.models import GPTConfig
 
 INDEX_BYTES = 8  # int64 indices, token ids and targets
+LOW_BYTES = {"bf16": 2, "fp16": 2}  # autocast's 16-bit dtypes
+FULL_BYTES = {"fp32": 4, "fp64": 8}
+# How the parameters compute: "full" (fp32 under autocast: single, DDP, the pipeline, ...), "16-bit" (cast
+# and computing without autocast: DeepSpeed), "16-bit under autocast" (FSDP2's bf16 policy, the loop's
+# autocast on as in single)
+PARAMETERS = ("full", "16-bit", "16-bit under autocast")
+
+
+def parameters_in(dtype, autocast: bool = True) -> str:
+    """`saving_for`'s `parameters` for parameters that compute in `dtype` (a torch.dtype; None: as they
+    are held), the forward under autocast or not: "full" unless bf16/fp16 (FSDP2's policy gathers them so,
+    DeepSpeed casts the module)."""
+    if dtype is None or dtype.itemsize != 2:
+        return "full"
+    return "16-bit under autocast" if autocast else "16-bit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Saving:
+    """The bytes per element of each kind of tensor autograd saves in a run, and the copies autocast adds.
+
+    `stream`: the model's float tensors where no op changes their dtype — the image, gpt's residual stream
+    (the parameters' dtype: fp32 under autocast); `compute`: what the weighted ops (Linear, convolution,
+    SDPA) compute in, and the ops after them (ReLU, max-pool, GELU, BatchNorm); `layer_norm`: LayerNorm's
+    mean and rstd; `batch_norm`: BatchNorm's batch mean and inverse std; `buffers`: BatchNorm's running
+    mean and variance; `accumulate`: SDPA's log-sum-exp, log-softmax's output and nll_loss's total weight
+    (at least fp32). `norm_input`: what LayerNorm saves of its input (CUDA's autocast runs it in fp32: an
+    fp32 copy of a 16-bit stream; else the stream). `input_casts`: each weighted op saves its own cast of
+    a wider input (autocast caches the casts of parameters only: q, k and v three copies of ln1's fp32
+    output); `weight_casts`: each weighted op saves its weight's 16-bit cast, one per autocast region
+    (autocast over fp32 parameters); `norm_weights`: bytes per element of LayerNorm's weight and bias as
+    it saves them where autocast casts them (16-bit parameters in fp32 on CUDA; 0: the parameters
+    themselves, not counted). `attention`: SDPA's kernel (`distref.cost.attention`)."""
+
+    stream: int
+    compute: int
+    layer_norm: int
+    batch_norm: int
+    buffers: int
+    accumulate: int
+    input_casts: bool = False
+    weight_casts: bool = False
+    norm_input: int | None = None  # (None: `stream`)
+    norm_weights: int = 0
+    attention: str = "cpu"
+
+    @property
+    def norm_input_bytes(self) -> int:
+        return self.stream if self.norm_input is None else self.norm_input
+
+
+def saving_for(
+    precision: str, device: str = "cpu", parameters: str = "full", attention: str | None = None
+) -> Saving:
+    """How a run saves (`Saving`): `precision` (fp32, fp64, or bf16/fp16), on `device` ("cpu" or "cuda"),
+    its `parameters` as they compute (`PARAMETERS`). `attention`: SDPA's kernel where not the one torch
+    picks for these inputs (`distref.cost.attention.sdpa_kernel`).
+
+    CPU and CUDA differ in autocast's op lists (torch 2.13's autocast_mode.h): CUDA runs layer_norm in
+    fp32 (a 16-bit input is copied to fp32, its 16-bit weight and bias cast), the CPU in its input's dtype;
+    and CUDA's layer norm keeps fp32 statistics for 16-bit input, the CPU's 16-bit ones."""
+    if parameters not in PARAMETERS:
+        raise ValueError(f"parameters is one of {', '.join(PARAMETERS)}, not {parameters!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device is cpu or cuda, not {device!r}")
+    kernel = attention or sdpa_kernel(device, precision)
+    if precision in FULL_BYTES:
+        e = FULL_BYTES[precision]
+        return Saving(e, e, e, e, e, e, attention=kernel)
+    if precision not in LOW_BYTES:
+        raise ValueError(f"no precision {precision!r}: fp32, fp64, bf16 or fp16")
+    low = LOW_BYTES[precision]
+    if parameters == "full":  # fp32 parameters under autocast: the stream stays fp32
+        return Saving(4, low, 4, 4, 4, 4, input_casts=True, weight_casts=True, attention=kernel)
+    # 16-bit parameters: everything in 16 bits but what is accumulated; CUDA's layer norm keeps its
+    # statistics in fp32 (its accumulation type), the CPU's in the input's dtype
+    if device == "cuda" and parameters == "16-bit under autocast":  # (the CPU's autocast leaves it be)
+        # layer_norm on CUDA's fp32 list: its input and weights cast to fp32, its fp32 output cast again
+        # by each Linear after it
+        return Saving(
+            low, low, 4, low, low, 4, input_casts=True, norm_input=4, norm_weights=4, attention=kernel
+        )
+    return Saving(low, low, 4 if device == "cuda" else low, low, low, 4, attention=kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,19 +152,24 @@ class Block:
     # many micro-batches are in flight
     after_weights: int = 0  # per sample, of `own`: what the ops after the block's last weighted op save
     # (a split backward's input-gradient pass lets it go: `stage_holdings`)
+    weights: int = 0  # autocast's casts of its weights: one per autocast region (a forward; a pipeline's
+    # whole step, whose micro-batches share them)
 
 
-def lenet_blocks(e: int, checkpointed: bool) -> list[Block]:
-    inputs = [e * 784, e * 10 * 12 * 12, e * 20 * 4 * 4, e * 50]  # the image; each ReLU's output
-    if checkpointed:  # each block keeps its input alone: its own, the previous block keeps nothing
-        return [Block(0, inputs[i]) for i in range(4)]
-    conv1 = e * 10 * 24 * 24 + INDEX_BYTES * 10 * 12 * 12 + inputs[1]  # max-pool's and ReLU's: after the conv
-    conv2 = e * 20 * 8 * 8 + INDEX_BYTES * 20 * 4 * 4 + inputs[2]
+def lenet_blocks(sv: Saving, checkpointed: bool) -> list[Block]:
+    c = sv.compute
+    if checkpointed:  # each block keeps its input alone (the image as given); the rest is recomputed
+        return [Block(0, size) for size in (sv.stream * 784, c * 10 * 12 * 12, c * 20 * 4 * 4, c * 50)]
+    image = (c if sv.input_casts else sv.stream) * 784  # under autocast conv1 saves its 16-bit copy
+    inputs = [image, c * 10 * 12 * 12, c * 20 * 4 * 4, c * 50]  # the image; each ReLU's output
+    conv1 = c * 10 * 24 * 24 + INDEX_BYTES * 10 * 12 * 12 + inputs[1]  # max-pool's and ReLU's: after the conv
+    conv2 = c * 20 * 8 * 8 + INDEX_BYTES * 20 * 4 * 4 + inputs[2]
+    weights = [w * c if sv.weight_casts else 0 for w in (10 * 25, 20 * 10 * 25, 50 * 320, 10 * 50)]
     return [
-        Block(inputs[0], conv1, after_weights=conv1),
-        Block(inputs[1], conv2, after_weights=conv2),
-        Block(inputs[2], inputs[3], after_weights=inputs[3]),  # ReLU's output
-        Block(inputs[3], 0),
+        Block(inputs[0], conv1, after_weights=conv1, weights=weights[0]),
+        Block(inputs[1], conv2, after_weights=conv2, weights=weights[1]),
+        Block(inputs[2], inputs[3], after_weights=inputs[3], weights=weights[2]),  # ReLU's output
+        Block(inputs[3], 0, weights=weights[3]),
     ]
 
 
@@ -82,51 +178,88 @@ def _halved(size: int) -> int:
     return (size + 1) // 2
 
 
-def resnet18_blocks(input_shape: tuple[int, int, int], e: int, checkpointed: bool) -> list[Block]:
+def resnet18_blocks(
+    input_shape: tuple[int, int, int], sv: Saving, checkpointed: bool, classes: int = 10
+) -> list[Block]:
     """distref.models.resnet18 (torchvision's BasicBlocks, a 3×3 stem, no max-pool): stem, layer1-4,
     head. Per sample, each BatchNorm saves its input (the convolution's output), each in-place ReLU its
     output (the next convolution's input: the same elements); a downsampling block's 1×1 convolution saves
     the block's input (already counted) and its BatchNorm that convolution's output. Per forward each
-    BatchNorm saves its batch mean and inverse std (2C), and once its running mean and variance (2C)."""
+    BatchNorm saves its batch mean and inverse std (2C), and once its running mean and variance (2C).
+    Under autocast the convolutions' outputs, and so all that follows them, are 16-bit, the statistics
+    fp32 (BatchNorm's weights' dtype); the stem saves its 16-bit copy of the image and each convolution
+    (and the head's Linear) its weight's."""
     channels, height, width = input_shape
-    inputs, blocks = [e * channels * height * width], []
+    c = sv.compute
+    image_as_given = sv.stream * channels * height * width  # what a checkpointed stem keeps
+    image = c * channels * height * width if sv.input_casts else image_as_given
+    inputs, blocks = [image], []
     stem_out = 64 * height * width
-    statistics = e * 2 * 64  # its BatchNorm's: batch mean and inverse std; running mean and variance
+    per_forward, once = sv.batch_norm * 2 * 64, sv.buffers * 2 * 64  # the stem's BatchNorm's statistics
     # (after_weights: the in-place ReLU after the last BatchNorm, of the stem and of each layer)
-    blocks.append(Block(inputs[0], e * 2 * stem_out, statistics, statistics, after_weights=e * stem_out))
-    inputs.append(e * stem_out)
+    weight_copies = (lambda elements: elements * c) if sv.weight_casts else (lambda elements: 0)
+    stem_weights = weight_copies(64 * channels * 9)
+    blocks.append(Block(image, c * 2 * stem_out, per_forward, once, c * stem_out, stem_weights))
+    inputs.append(c * stem_out)
     in_channels = 64
     for out_channels, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        own = per_forward = 0
+        own = batch_norms = weights = 0
         for first in (True, False):  # two BasicBlocks per layer
             if first and stride == 2:
                 height, width = _halved(height), _halved(width)
             pixels = out_channels * height * width
             downsample = first and (stride != 1 or in_channels != out_channels)
-            batch_norms = 3 if downsample else 2
+            batch_norms += 3 if downsample else 2
             # bn1's input, relu's output (conv2's input), bn2's input, the final relu's output; the
             # downsample's BatchNorm input
-            own += e * pixels * (4 + (1 if downsample else 0))
-            per_forward += e * 2 * out_channels * batch_norms
+            own += c * pixels * (4 + (1 if downsample else 0))
+            weights += out_channels * (in_channels + out_channels) * 9
+            weights += out_channels * in_channels if downsample else 0
             in_channels = out_channels
-        inputs.append(e * out_channels * height * width)
+        inputs.append(c * out_channels * height * width)
         blocks.append(
-            Block(inputs[-2], own, per_forward=per_forward, once=per_forward, after_weights=inputs[-1])
+            Block(
+                inputs[-2],
+                own,
+                per_forward=sv.batch_norm * 2 * out_channels * batch_norms,
+                once=sv.buffers * 2 * out_channels * batch_norms,
+                after_weights=inputs[-1],
+                weights=weight_copies(weights),
+            )
         )
     # The average pool (a mean over H×W: MeanBackward) saves nothing of its input; the Linear saves its input
-    blocks.append(Block(0, e * 512))
-    if checkpointed:  # each block keeps its input alone
-        return [Block(0, size) for size in inputs]
+    blocks.append(Block(0, c * 512, weights=weight_copies(512 * classes)))
+    if checkpointed:  # each block keeps its input alone (the image as given)
+        return [Block(0, size) for size in (image_as_given, *inputs[1:])]
     return blocks
 
 
-def gpt_blocks(seq: int, hidden: int, heads: int, layers: int, e: int, checkpointed: bool) -> list[Block]:
-    s, h = seq, hidden
+def gpt_blocks(
+    seq: int, hidden: int, heads: int, layers: int, vocab: int, sv: Saving, checkpointed: bool
+) -> list[Block]:
+    """distref's gpt (module docstring). Under autocast the residual stream stays in the parameters'
+    fp32 (the embeddings are no autocast op, and fp32 + 16-bit adds in fp32): the layer norms' inputs and
+    statistics are fp32, and each Linear saves its own 16-bit cast of the layer norm's output (q, k and v
+    three copies of ln1's), and its weight's cast (one per autocast region)."""
+    s, h, c = seq, hidden, sv.compute
     if checkpointed:  # each block keeps its input alone
-        return [Block(0, INDEX_BYTES * s)] + [Block(0, e * s * h)] * (layers + 1)
+        return [Block(0, INDEX_BYTES * s)] + [Block(0, sv.stream * s * h)] * (layers + 1)
     embed = Block(INDEX_BYTES * s, 0, per_forward=INDEX_BYTES * s)
-    block = Block(0, e * (16 * s * h + 4 * s + heads * s))  # (its input: LayerNorm's, in `own`)
-    return [embed, *[block] * layers, Block(0, e * (2 * s * h + 2 * s))]
+    attention, attention_once = attention_saves(sv.attention, s, h, heads, c, sv.accumulate)
+    q_k_v_inputs = 3 if sv.input_casts else 1  # autocast casts ln1's output once for each of them
+    own = (
+        sv.norm_input_bytes * 2 * s * h  # ln1's and ln2's inputs
+        + sv.layer_norm * 4 * s  # their means and rstds
+        + c * (q_k_v_inputs + 1) * s * h  # their outputs, as q, k, v and the MLP's first Linear save them
+        + attention
+        + c * 8 * s * h  # the MLP's hidden before and after GELU
+    )
+    weights = c * 12 * h * h if sv.weight_casts else 0  # q, k, v, proj (h×h), the MLP's (4h×h, h×4h)
+    weights += sv.norm_weights * 4 * h  # (the layer norms' weights and biases, where autocast casts them)
+    block = Block(0, own, per_forward=attention_once, weights=weights)
+    head_weights = (c * h * vocab if sv.weight_casts else 0) + sv.norm_weights * 2 * h
+    head = Block(0, sv.norm_input_bytes * s * h + sv.layer_norm * 2 * s + c * s * h, weights=head_weights)
+    return [embed, *[block] * layers, head]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,32 +268,40 @@ class Loss:
     per_forward: int  # nll_loss's total weight
 
 
-def stage_bytes(blocks: list[Block], loss: Loss | None, micro_batch: int, in_flight: int = 1) -> int:
+def stage_bytes(
+    blocks: list[Block], loss: Loss | None, micro_batch: int, in_flight: int = 1, shared_weights: bool = False
+) -> int:
     """The activations a stage of `blocks` (the whole model: every block) holds with `in_flight`
     micro-batches of `micro_batch` samples, `loss` on the stage that computes it: per micro-batch the
-    first block's input, every block's own bytes and the loss; once, the buffers saved."""
+    first block's input, every block's own bytes and the loss, and autocast's weight casts (once where
+    the micro-batches share an autocast region: `shared_weights`); once, the buffers saved."""
     per_sample = blocks[0].input + sum(block.own for block in blocks)
     per_forward = sum(block.per_forward for block in blocks)
     if loss is not None:
         per_sample, per_forward = per_sample + loss.per_sample, per_forward + loss.per_forward
-    return in_flight * (micro_batch * per_sample + per_forward) + sum(block.once for block in blocks)
+    weights = sum(block.weights for block in blocks)
+    once = sum(block.once for block in blocks) + (weights if shared_weights else 0)
+    per_forward += 0 if shared_weights else weights
+    return in_flight * (micro_batch * per_sample + per_forward) + once
 
 
 def model_blocks(
-    model: str, info, gpt_layers: int, e: int, checkpointed: bool
+    model: str, info, gpt_layers: int, sv: Saving, checkpointed: bool
 ) -> tuple[list[Block], Loss] | None:
-    """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo)."""
-    classes = info.num_classes
+    """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo),
+    saving as `sv` says. The loss: log-softmax's output on logits widened to at least fp32 (the loss
+    takes them so), the targets, nll_loss's total weight."""
+    classes, acc = info.num_classes, sv.accumulate
     if model == "lenet":
-        return lenet_blocks(e, checkpointed), Loss(e * classes + INDEX_BYTES, e)
+        return lenet_blocks(sv, checkpointed), Loss(acc * classes + INDEX_BYTES, acc)
     if model == "resnet18":
-        return resnet18_blocks(info.input_shape, e, checkpointed), Loss(e * classes + INDEX_BYTES, e)
+        blocks = resnet18_blocks(info.input_shape, sv, checkpointed, classes)
+        return blocks, Loss(acc * classes + INDEX_BYTES, acc)
     if model == "gpt":
         shape = gpt_shape(info, gpt_layers)
         s = shape.pop("seq")
-        shape.pop("vocab")
-        loss = Loss(e * s * classes + INDEX_BYTES * s, e)
-        return gpt_blocks(seq=s, **shape, e=e, checkpointed=checkpointed), loss
+        loss = Loss(acc * s * classes + INDEX_BYTES * s, acc)
+        return gpt_blocks(seq=s, **shape, sv=sv, checkpointed=checkpointed), loss
     return None
 
 
@@ -219,39 +360,62 @@ def gpt_shape(info, gpt_layers: int) -> dict:
     }
 
 
-ELEMENT_BYTES = {"fp32": 4, "fp64": 8}  # precisions with a formula (autocast: none yet)
 MODELS_WITH_FORMULA = ("lenet", "resnet18", "gpt")
 
 
-def no_formula(model: str, precision: str) -> str | None:
-    """Why `formula_for` has no formula for this model in this precision (a line), or None."""
+def no_formula(model: str, precision: str = "fp32", device: str = "cpu") -> str | None:
+    """Why `formula_for` has no formula for this model in this precision on this device (a line), or None."""
     if model not in MODELS_WITH_FORMULA:
         return (
             f"no activation formula for --model {model}: what autograd saves is counted op by op for "
             f"{', '.join(MODELS_WITH_FORMULA)} only"
         )
-    if precision not in ELEMENT_BYTES:
+    if model == "resnet18" and device == "cuda" and precision != "bf16":
+        # (torch's _select_batch_norm_backend sends a bf16 input to its native kernel, which keeps no such
+        # buffer; fp32, fp64 and fp16 with fp32 weights go to cuDNN)
         return (
-            f"no activation formula under --precision {precision}: autocast saves some tensors in 16 bits, "
-            "some in fp32"
+            f"no activation formula for resnet18 in {precision} on CUDA: cuDNN's batch norm saves a reserve "
+            "buffer whose size cuDNN decides"
         )
     return None
 
 
-def formula_for(model: str, info, gpt_layers: int, precision: str, checkpointed: bool):
-    """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo), or
-    None where there is no formula (`no_formula` says why)."""
-    if no_formula(model, precision) is not None:
+def formula_for(
+    model: str,
+    info,
+    gpt_layers: int,
+    precision: str,
+    checkpointed: bool,
+    device: str = "cpu",
+    parameters: str = "full",
+) -> tuple[list[Block], Loss] | None:
+    """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo) in
+    `precision` on `device` (`saving_for`), or None where there is no formula (`no_formula` says why)."""
+    if no_formula(model, precision, device) is not None:
         return None
-    return model_blocks(model, info, gpt_layers, ELEMENT_BYTES[precision], checkpointed)
+    attention = None
+    if model == "gpt":  # (the kernel torch picks depends on the heads' size)
+        shape = gpt_shape(info, gpt_layers)
+        head_size, heads, seq = shape["hidden"] // shape["heads"], shape["heads"], shape["seq"]
+        attention = sdpa_kernel(device, precision, head_size, heads, seq)
+    return model_blocks(
+        model, info, gpt_layers, saving_for(precision, device, parameters, attention), checkpointed
+    )
 
 
-def predicted_for_run(cfg: RunConfig, info, replicas: int = 1) -> int | None:
+def predicted_for_run(
+    cfg: RunConfig, info, replicas: int = 1, device: str = "cpu", parameters: str = "full"
+) -> tuple[int | None, str | None]:
     """A rank running the whole model (single, DDP, FSDP, ZeRO) on its share of each micro-batch: the
-    global batch split over `replicas` ranks and `--grad-accum` micro-steps."""
-    found = formula_for(cfg.model, info, cfg.gpt_layers, cfg.precision, cfg.activation_checkpointing)
+    global batch split over `replicas` ranks and `--grad-accum` micro-steps, each forward in an autocast
+    region of its own (its weights' casts let go with its backward), on `device` ("cpu" or "cuda") with
+    its `parameters` (`saving_for`): (bytes, None), or (None, why there is no formula)."""
+    why = no_formula(cfg.model, cfg.precision, device)
+    found = formula_for(
+        cfg.model, info, cfg.gpt_layers, cfg.precision, cfg.activation_checkpointing, device, parameters
+    )
     micro_batch = cfg.global_batch_size // (replicas * cfg.grad_accum)
-    return stage_bytes(*found, micro_batch) if found else None
+    return (stage_bytes(*found, micro_batch) if found else None), why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,11 +423,13 @@ class Held:
     """A stage's bytes saved for backward, per micro-batch: `tensor` names them (two stages on one rank
     that both save the same tensor name it alike: it counts once, until both let go), `until` is the
     backward pass that lets them go: "I" (the input gradient) or "W" (the weight gradient), both at a
-    full backward "B"."""
+    full backward "B". `shared`: the same tensor in every micro-batch (autocast's cast of a weight, cached
+    for the step's autocast region): held while any micro-batch holds it."""
 
     tensor: str
     bytes: int
     until: str
+    shared: bool = False
 
 
 def held_in_order(actions: Sequence[Action], holdings: dict[int, list[Held]]) -> int:
@@ -277,7 +443,7 @@ def held_in_order(actions: Sequence[Action], holdings: dict[int, list[Held]]) ->
         if kind not in ("F", "B", "I", "W"):
             raise ValueError(f"unknown action {kind!r}: F, B, I or W")
         for item in holdings[stage]:
-            key = (item.tensor, micro_batch)
+            key = (item.tensor, None if item.shared else micro_batch)
             if kind == "F":
                 holders[key] = holders.get(key, 0) + 1
                 held += item.bytes if holders[key] == 1 else 0
@@ -308,16 +474,21 @@ def stage_holdings(
     received = micro_batch * blocks[0].input  # saved by the first block, kept for its weight gradient
     after_weights = micro_batch * blocks[-1].after_weights
     after_weights += micro_batch * loss.per_sample + loss.per_forward if loss is not None else 0
-    rest = stage_bytes(blocks, loss, micro_batch) - sum(b.once for b in blocks) - received - after_weights
+    weights = sum(b.weights for b in blocks)  # autocast's casts: one for the step's every micro-batch
+    once = sum(b.once for b in blocks) + weights
+    rest = stage_bytes(blocks, loss, micro_batch, shared_weights=True) - once - received - after_weights
     holdings = [
         Held(f"{stage - 1}->{stage}" if previous_here else f"input of {stage}", received, "W"),
         Held(f"kept by {stage}", rest, "W"),
         Held(f"after the weights of {stage}", after_weights, let_go),
     ]
+
     if next_saves:  # the next stage's input, as saved here (a part of `after_weights`)
         sent = micro_batch * next_saves
         holdings[-1] = dataclasses.replace(holdings[-1], bytes=after_weights - sent)
         holdings.append(Held(f"{stage}->{stage + 1}", sent, let_go))
+    if weights:  # (saved by the weighted ops for the input gradient; their graph goes at "W")
+        holdings.append(Held(f"weights of {stage}", weights, "W", shared=True))
     return holdings
 
 
@@ -331,10 +502,12 @@ def part_bytes(
     in_flight: int,
     precision: str,
     checkpointed: bool,
+    device: str = "cpu",
 ) -> int | None:
     """A rank holding the blocks bounds[part] of the model's (a pipeline stage, a model-parallel part)
-    with `in_flight` micro-batches of `micro_batch` samples held at once; the loss if it holds the last."""
-    found = formula_for(model, info, gpt_layers, precision, checkpointed)
+    with `in_flight` micro-batches of `micro_batch` samples held at once, each in an autocast region of
+    its own; the loss if it holds the last."""
+    found = formula_for(model, info, gpt_layers, precision, checkpointed, device)
     if found is None:
         return None
     blocks, loss = found
@@ -351,10 +524,11 @@ def pipeline_rank(
     micro_batch: int,
     precision: str,
     checkpointed: bool,
+    device: str = "cpu",
 ) -> int | None:
     """A pipeline rank of one of this project's models (`held_in_rank`), or None where there is no formula
     or the schedule's order is not known."""
-    found = formula_for(model, info, gpt_layers, precision, checkpointed)
+    found = formula_for(model, info, gpt_layers, precision, checkpointed, device)
     if found is None or actions is None:
         return None
     return held_in_rank(*found, bounds, actions, micro_batch)
@@ -367,6 +541,7 @@ def pipeline_rank_activations(
     actions: Sequence[Action] | None,
     micro_batch: int,
     schedule: str,
+    device: str = "cpu",
 ) -> tuple[int | None, str | None]:
     """`pipeline_rank` for the run `cfg` (running `schedule`), and why there is no formula where it has
     none: (bytes, None) or (None, the reason)."""
@@ -379,8 +554,9 @@ def pipeline_rank_activations(
         micro_batch,
         cfg.precision,
         cfg.activation_checkpointing,
+        device,
     )
-    why = no_formula(cfg.model, cfg.precision)
+    why = no_formula(cfg.model, cfg.precision, device)
     if why is None and actions is None:
         why = f"no order of work known for --schedule {schedule}"
     return held, why
@@ -395,7 +571,8 @@ def held_in_rank(
 ) -> int:
     """A pipeline rank running `actions` (its schedule's order: (kind, stage, micro-batch)) on its stages,
     the blocks bounds[stage] of the model's `blocks` each: the most micro-batches' activations it holds at
-    once (`held_in_order`), and once each stage's saved buffers."""
+    once (`held_in_order`: autocast's weight casts, which the micro-batches share in the schedule's one
+    autocast region, while any holds them), and once each stage's saved buffers."""
     mine = sorted({stage for _, stage, _ in actions})
     holdings, once = {}, 0
     for stage in mine:

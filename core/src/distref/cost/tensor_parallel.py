@@ -80,7 +80,8 @@ import torch
 
 from distref.config import RunConfig, is_factory
 from distref.cost import Predicted
-from distref.cost.activations import no_formula
+from distref.cost.activations import no_formula, saving_for
+from distref.cost.attention import sdpa_kernel
 from distref.cost.counts import Counts, add, merge
 from distref.cost.memory import optimizer_state_bytes, replicated
 from distref.cost.sharded import fsdp, fsdp_model_states, rows_held
@@ -328,6 +329,7 @@ def tensor_parallel_cost(
     activation_checkpointing: bool,
     hidden: int = GPTConfig.n_embd,
     heads: int = GPTConfig.n_head,
+    device: str = "cpu",
 ) -> Predicted:
     """What rank (`dp_rank`, `tp_rank`) of impls/tensor_parallel's (dp_shard, tp) mesh costs by formula,
     on `micro_batch` sequences per micro-step on each data-parallel group. `model` "gpt": `layers` blocks
@@ -335,7 +337,7 @@ def tensor_parallel_cost(
     all-reduces forward and two backward of b·s·h (sequence parallel: all-gathers and reduce-scatters
     instead), the embeddings' and the loss's, FSDP2's over the dp_shard groups (`tensor_parallel`); this
     rank's slices of every parameter, gradient and optimizer state (`tensor_parallel_model_states`); the
-    activations it holds, its heads and MLP units (distref.cost.tp_activations; fp32 and fp64 on a 1-D
+    activations it holds, its heads and MLP units, on `device` (distref.cost.tp_activations; on a 1-D
     mesh only). A model of yours (MODULE:FUNCTION): `planned_cost`. `element_bytes`: a parameter's
     (--precision fp64: 8, else 4); `step_bytes`: AdamW's step count's (torch's default dtype)."""
     if is_factory(model):
@@ -372,11 +374,11 @@ def tensor_parallel_cost(
         element_bytes=element_bytes,
         step_bytes=step_bytes,
     )
-    activations = None  # (bf16 autocast and FSDP2's gathered slices on the 2-D mesh: no formula yet)
-    no_activation_formula = no_formula(model, precision) or (
+    activations = None  # (FSDP2's gathered slices on the 2-D mesh: no formula yet)
+    no_activation_formula = no_formula(model, precision, device) or (
         f"no activation formula on the 2-D mesh (--dp-shard {dp_shard}: FSDP2's gathered slices)"
     )
-    if precision in ("fp32", "fp64") and dp_shard == 1:
+    if dp_shard == 1:
         activations = tensor_parallel_activation_bytes(
             micro_batch=micro_batch,
             seq=sequence,
@@ -388,8 +390,12 @@ def tensor_parallel_cost(
             tp_rank=tp_rank,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
-            element_bytes=element_bytes,
             checkpointed=activation_checkpointing,
+            saving=saving_for(
+                precision,
+                device,
+                attention=sdpa_kernel(device, precision, hidden // heads, heads // tp, sequence),
+            ),
         )
     return Predicted(
         communication=communication,
@@ -453,9 +459,11 @@ def tensor_parallel_run_cost(
     dp_rank: int,
     sequence_parallel: bool,
     loss_parallel: bool,
+    device: str = "cpu",
 ) -> Predicted:
     """`tensor_parallel_cost` of rank (`dp_rank`, `tp_rank`) in the run `cfg` (its core options: the model,
-    batch, micro-steps, optimizer, precision), each data-parallel group on its share of the global batch."""
+    batch, micro-steps, optimizer, precision), each data-parallel group on its share of the global batch,
+    on `device` ("cpu" or "cuda")."""
     return tensor_parallel_cost(
         cfg.model,
         info,
@@ -474,4 +482,5 @@ def tensor_parallel_run_cost(
         element_bytes=parameter_dtype(cfg.precision).itemsize,
         step_bytes=torch.get_default_dtype().itemsize,
         activation_checkpointing=cfg.activation_checkpointing,
+        device=device,
     )

@@ -47,13 +47,18 @@ split (2/T) but the all-gathered layer-norm outputs are kept whole (2): Megatron
 all-gathers them again in backward (§4.2.2), DTensor keeps what it gathered. So sequence parallelism saves
 less here than in Megatron: 2·(1 − 1/T)·b·s·h·e per block rather than 5·(1 − 1/T)·sbh·2.
 
-Measured on the CPU (gloo): the SDPA kernel there saves exactly q, k, v, output and log-sum-exp; CUDA's
-flash or memory-efficient kernels may save more (random-number state): not checked here. Mixed precision
-(bf16 autocast) and the 2-D mesh (`--dp-shard`, FSDP2 over the groups: its gathered parameters) have no
-formula yet.
+Mixed precision (bf16/fp16 autocast over fp32 parameters): the residual stream and the layer norms'
+inputs and statistics stay fp32, each colwise Linear saves its own 16-bit cast of its (gathered) input —
+q, k and v three of ln1's output — and each rank its weight slices' casts (12·h²/T per block, h·V_r for
+the output layer), once per forward; SDPA's kernel saves what `distref.cost.attention` says (on the CPU q,
+k, v, output and log-sum-exp, as above), the loss is fp32 (`distref.cost.activations.Saving`). The 2-D
+mesh (`--dp-shard`, FSDP2 over the groups: its gathered parameters) has no formula yet.
 """
 
 from __future__ import annotations
+
+from distref.cost.activations import Saving, saving_for
+from distref.cost.attention import attention_saves
 
 INDEX_BYTES = 8  # int64 token ids, positions and targets
 
@@ -79,12 +84,19 @@ def tensor_parallel_activation_bytes(
     loss_parallel: bool,
     element_bytes: int = 4,
     checkpointed: bool = False,
+    saving: Saving | None = None,
 ) -> int:
     """The most bytes of activations rank `tp_rank` of a tensor-parallel group of `tp` holds for backward
-    in one forward-backward of `micro_batch` sequences (the module docstring's formula, term by term).
-    With gradient accumulation each micro-batch's backward frees what its forward saved: this is the
-    peak of the step too."""
-    b, s, h, a, L, V, t, e = micro_batch, seq, hidden, heads, layers, vocab, tp, element_bytes
+    in one forward-backward of `micro_batch` sequences (the module docstring's formula, term by term),
+    saving as `saving` says (distref.cost.activations.saving_for; by default fp32 or fp64 on the CPU, as
+    `element_bytes`). With gradient accumulation each micro-batch's backward frees what its forward saved:
+    this is the peak of the step too."""
+    if saving is None and element_bytes not in (4, 8):
+        raise ValueError(
+            f"element_bytes is 4 or 8 (fp32, fp64), not {element_bytes}: give `saving` otherwise"
+        )
+    sv = saving or saving_for({4: "fp32", 8: "fp64"}[element_bytes])
+    b, s, h, a, L, V, t = micro_batch, seq, hidden, heads, layers, vocab, tp
     if not 0 <= tp_rank < t:
         raise ValueError(f"tp_rank {tp_rank} is not a rank of a group of {t}")
     if a % t or (4 * h) % t or h % a:
@@ -93,15 +105,24 @@ def tensor_parallel_activation_bytes(
         )
     s_r = chunk(s, t, tp_rank) if sequence_parallel else s  # tokens of the residual stream held
     v_r = chunk(vocab, t, tp_rank)  # this rank's columns of the logits
-    loss = e * b * s * (v_r if loss_parallel else V) + INDEX_BYTES * b * s + e
+    acc, c = sv.accumulate, sv.compute
+    loss = acc * b * s * (v_r if loss_parallel else V) + INDEX_BYTES * b * s + acc
     if checkpointed:
-        return INDEX_BYTES * b * s + (L + 1) * e * b * s_r * h + loss
+        return INDEX_BYTES * b * s + (L + 1) * sv.stream * b * s_r * h + loss
     embed = INDEX_BYTES * b * s + INDEX_BYTES * s
+    attention, attention_once = attention_saves(sv.attention, s, h // t, a // t, c, acc)
+    q_k_v_inputs = 3 if sv.input_casts else 1  # autocast casts ln1's (gathered) output once for each of them
     block = (
-        e * (2 * b * s_r * h + 4 * b * s_r)  # layer norms' inputs, mean and rstd
-        + e * 2 * b * s * h  # their outputs, whole (gathered with sequence parallelism)
-        + e * (4 * b * s * h + b * a * s) // t  # SDPA: q, k, v, output, log-sum-exp of a/T heads
-        + e * 8 * b * s * h // t  # the MLP's hidden before and after GELU
+        sv.norm_input_bytes * 2 * b * s_r * h  # layer norms' inputs
+        + sv.layer_norm * 4 * b * s_r  # their means and rstds
+        + c * (q_k_v_inputs + 1) * b * s * h  # their outputs, whole (gathered with sequence parallelism)
+        + b * attention  # SDPA: q, k, v, output, log-sum-exp of a/T heads
+        + attention_once
+        + c * 8 * b * s * h // t  # the MLP's hidden before and after GELU
+        + (c * 12 * h * h // t if sv.weight_casts else 0)  # autocast's casts of this rank's weight slices
+        + sv.norm_weights * 4 * h  # (the layer norms' weights and biases, where autocast casts them)
     )
-    head = e * (b * s_r * h + 2 * b * s_r) + e * b * s * h
+    head = sv.norm_input_bytes * b * s_r * h + sv.layer_norm * 2 * b * s_r + c * b * s * h
+    head += c * h * v_r if sv.weight_casts else 0  # (the output layer's weight: this rank's rows)
+    head += sv.norm_weights * 2 * h
     return embed + L * block + head + loss

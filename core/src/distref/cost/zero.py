@@ -66,6 +66,17 @@ tensor of zeros for its gradient. Stage 3 partitions every parameter, gathers th
 forward runs (frozen ones too), reduce-scatters the gradients that exist, and keeps gradient and optimizer
 partitions for the trainable ones. Stage 0 all-reduces every trainable gradient, an unused one's as zeros
 (so it has optimizer state too), and none of a frozen one.
+
+bf16 (stages 1-3; the impl refuses stage 0, which DeepSpeed runs without fp32 masters): the same optimizers
+(DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, not BF16_Optimizer), the same buckets and padding,
+with b = 2 for everything kept and sent in the model's dtype — the flat buffer or stage-3 partitions, the
+gradients, the reduced and gathered tensors — while the master partition and the optimizer's states stay
+fp32 (m = 4), and stages 1/2 add one all-reduce of a 1-byte overflow flag (`zero_bf16_model_states`,
+`zero_bf16_communication`: their docstrings give the formulas and DeepSpeed's lines).
+
+One rank (N = 1): nothing is gathered, at any stage and whatever the prefetch bucket (stage 3 then
+reduce-scatters per bucket and all-reduces the norm only), so stage 3 beyond one prefetch bucket, not
+modelled on several ranks, has its formula there.
 """
 
 from __future__ import annotations
@@ -81,6 +92,9 @@ from distref.cost.usage import ModelParameters, ParameterUse
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: partitions start at multiples of 2·N elements
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000  # engine.py MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce bucket
+BF16_ELEMENT_BYTES = 2  # bf16: the model's dtype, its gradients' and what is reduced and gathered
+MASTER_ELEMENT_BYTES = 4  # the fp32 master partition and the optimizer's states on it, in any precision
+OVERFLOW_FLAG_BYTES = 1  # stages 1/2 in bf16: the overflow check's all-reduced uint8 flag
 
 
 def reduce_buckets(numels: Sequence[int], bucket_elements: int) -> list[list[int]]:
@@ -163,8 +177,11 @@ def zero_communication(
     element_bytes: int = 4,
     uses: Sequence[ParameterUse] | None = None,
     gradient_order: Sequence[int] | None = None,
+    overflow_flag: bool = False,
 ) -> Counts | None:
-    """One optimizer step of ZeRO `stage` (0-3) on one rank, fp32 without offload. `numels`: each
+    """One optimizer step of ZeRO `stage` (0-3) on one rank, without offload, gradients reduced and
+    parameters gathered in `element_bytes` (fp32's 4; bf16: `zero_bf16_communication`, which also sets
+    `overflow_flag`: stages 1/2 all-reduce a 1-byte overflow flag before the norm). `numels`: each
     parameter's elements in model.parameters() order; `bucket_elements`: reduce_bucket_size;
     `prefetch_elements`: stage3_prefetch_bucket_size; `grad_accum`: micro-steps K per step (stages 0 and 1
     reduce once at the boundary, stages 2 and 3 in every backward, stage 3 gathers in every forward);
@@ -172,7 +189,7 @@ def zero_communication(
     indices of those with a gradient in the order backward produces them (distref.cost.usage; default:
     the reverse of the parameters'). None where the formula does not hold exactly
     (`communication_unavailable` says why)."""
-    if communication_unavailable(numels, stage, prefetch_elements):
+    if communication_unavailable(numels, world_size, stage, prefetch_elements):
         return None
     uses = uses or [ParameterUse()] * len(numels)
     if gradient_order is None:
@@ -199,6 +216,8 @@ def zero_communication(
             in_bucket, first = placed[first : first + len(bucket)], first + len(bucket)
             for elements in bucket_all_reduces(in_bucket, partition, bucket_elements) * reductions:
                 add(counts, "all_reduce", elements * element_bytes, world_size)
+        if overflow_flag:  # bf16's overflow check, before the norm
+            add(counts, "all_reduce", OVERFLOW_FLAG_BYTES, world_size)
         add(counts, "all_reduce", 4, world_size)  # the gradient norm, fp32
         if world_size > 1:  # (one rank: nothing to gather)
             add(counts, "all_gather", padded * element_bytes, world_size)
@@ -215,11 +234,15 @@ def zero_communication(
     return counts
 
 
-def communication_unavailable(numels: Sequence[int], stage: int, prefetch_elements: int) -> str | None:
-    """Why zero_communication has no formula for this run (fp32 without offload), or None."""
+def communication_unavailable(
+    numels: Sequence[int], world_size: int, stage: int, prefetch_elements: int
+) -> str | None:
+    """Why zero_communication has no formula for this run (without offload), or None. Stage 3 beyond one
+    prefetch bucket is not modelled on several ranks (its gathers); one rank gathers nothing, whatever the
+    buckets, and reduce-scatters per bucket as anywhere."""
     if stage not in (0, 1, 2, 3):
         return f"ZeRO has no stage {stage}"
-    if stage == 3 and sum(numels) > prefetch_elements:
+    if stage == 3 and world_size > 1 and sum(numels) > prefetch_elements:
         return (
             f"ZeRO-3 over more than one prefetch bucket ({sum(numels):,} elements > {prefetch_elements:,}): "
             "DeepSpeed's trace-driven fetch and re-gathers in backward are not modelled"
@@ -247,9 +270,13 @@ def zero_model_states(
     element_bytes: int = 4,
     step_bytes: int = 4,
     uses: Sequence[ParameterUse] | None = None,
+    master_bytes: int | None = None,
 ) -> dict[str, int] | None:
-    """Model-state bytes rank `rank` holds under ZeRO `stage` (0-3), fp32 without offload, one param group;
+    """Model-state bytes rank `rank` holds under ZeRO `stage` (0-3), without offload, one param group:
+    parameters and gradients of `element_bytes` (the model's dtype), the master partition and optimizer
+    states of `master_bytes` (default: `element_bytes`, as in fp32; bf16: `zero_bf16_model_states`);
     `uses`: what the step does with each parameter (default: trains every one)."""
+    master_bytes = element_bytes if master_bytes is None else master_bytes
     uses = uses or [ParameterUse()] * len(numels)
     trainable = [n for n, use in zip(numels, uses, strict=True) if use.requires_grad]
     frozen = sum(numels) - sum(trainable)
@@ -279,7 +306,7 @@ def zero_model_states(
         return {
             "parameters": (padded + frozen) * element_bytes,  # the flat buffer, and frozen ones whole
             "gradients": held * element_bytes + 4,
-            "optimizer": optimizer_partition_bytes(partition, optimizer, element_bytes, step_bytes),
+            "optimizer": optimizer_partition_bytes(partition, optimizer, master_bytes, step_bytes),
         }
     if stage == 3:
         partition = sum(stage3_padded(numels, world_size)) // world_size
@@ -287,9 +314,102 @@ def zero_model_states(
         return {
             "parameters": partition * element_bytes,
             "gradients": trainable_partition * element_bytes + 8,
-            "optimizer": optimizer_partition_bytes(trainable_partition, optimizer, element_bytes, step_bytes),
+            "optimizer": optimizer_partition_bytes(trainable_partition, optimizer, master_bytes, step_bytes),
         }
     return None
+
+
+def zero_bf16_model_states(
+    numels: Sequence[int],
+    world_size: int,
+    rank: int,
+    stage: int,
+    optimizer: str,
+    *,
+    step_bytes: int = 4,
+    uses: Sequence[ParameterUse] | None = None,
+) -> dict[str, int] | None:
+    """Model-state bytes rank `rank` holds under ZeRO `stage` 1-3 in bf16 without offload (None at stage 0,
+    which DeepSpeed runs through its fp16-style optimizer, without fp32 masters: the impl refuses it). With
+    Ψ' and P as in fp32 (`flat_partition`, `stage3_padded`: the padding does not depend on the dtype),
+    b = 2 (BF16_ELEMENT_BYTES) and m = 4 (MASTER_ELEMENT_BYTES):
+
+        stage 1, 2  parameters = Ψ'·b (frozen ones whole besides)
+                    gradients  = b·(every parameter overlapping [rP, (r+1)P), whole, + padding there) + 4
+        stage 3     parameters = Ψ'/N·b,  gradients = Ψ'/N·b + 8
+        optimizer   = P·m (master) + 2P·m + s (AdamW) or + P·m (SGD)
+
+    DeepSpeed 0.19.8 (deepspeed/runtime/), as this impl's config selects it: engine.py:1806-1807 leaves
+    grad_accum_dtype the model's, bf16, so _do_optimizer_sanity_check (engine.py:2305-2311) picks ZeRO's
+    own optimizers, not BF16_Optimizer (bf16_optimizer.py: only for stage 1 with fp32 accumulation).
+    Stages 1/2 (zero/stage_1_and_2.py): the flat buffer is the bf16 parameters flattened (:505-514, views
+    of it the module's parameters, :534); the master partition is cast to master_weights_and_grads_dtype
+    (:560-561), fp32 unless bf16_master_weights_and_grads is set (base_optimizer.py:523-528), and the
+    torch optimizer's states follow it; the partition's gradients are bf16 (copy_grads_in_partition's
+    buffer in self.dtype, :2192-2194; get_flat_partition's padding in gradient_accumulation_dtype,
+    :1046-1052); the kept norm is fp32 (:2686). Stage 3 (zero/stage3.py): the parameters' partitions are
+    one bf16 buffer (lp_param_buffer, :972), the gradient partitions another (gradient_accumulation_dtype,
+    :791-793), the master partition fp32 (:1170-1171), the kept norm fp64 (get_norm_dtype,
+    zero/utils.py:59-63). step()'s fp32 copy of the gradient partition (stage_1_and_2.py:3118) lives only
+    inside step(): not held between steps, not counted."""
+    if stage not in (1, 2, 3):
+        return None
+    return zero_model_states(
+        numels,
+        world_size,
+        rank,
+        stage,
+        optimizer,
+        element_bytes=BF16_ELEMENT_BYTES,
+        master_bytes=MASTER_ELEMENT_BYTES,
+        step_bytes=step_bytes,
+        uses=uses,
+    )
+
+
+def zero_bf16_communication(
+    numels: Sequence[int],
+    world_size: int,
+    stage: int,
+    *,
+    bucket_elements: int,
+    prefetch_elements: int,
+    grad_accum: int = 1,
+    uses: Sequence[ParameterUse] | None = None,
+    gradient_order: Sequence[int] | None = None,
+) -> Counts | None:
+    """One optimizer step of ZeRO `stage` 1-3 on one rank in bf16 without offload (None at stage 0, and
+    where `communication_unavailable` says): `zero_communication`'s buckets, pieces and padding (buckets
+    count elements, whatever the dtype), in b = 2 bytes, and at stages 1/2 one more all-reduce, of the
+    1-byte overflow flag:
+
+        stages 1, 2  all_reduce: calls = K'·pieces(n, B) + 2,  bytes = K'·Ψ·b + 1 + 4
+                     all_gather: calls = 1,                    bytes = Ψ'·b            (none on one rank)
+        stage 3      all_gather: calls = K, bytes = K·Ψ'·b (none on one rank);  reduce_scatter: calls =
+                     K·buckets(n', B), bytes = K·Ψ'·b;  all_reduce: calls = 1, bytes = 8
+
+    DeepSpeed 0.19.8 (deepspeed/runtime/): communication_data_type is bf16 (engine.py:1719-1728), so the
+    gradient buckets are bf16 (stage_1_and_2.py:1253-1254, bucket buffers of the parameters' dtype;
+    :1493-1497 all-reduces them uncast; stage3.py:780-784) and the gathered buffers the bf16 parameters
+    (stage_1_and_2.py:3155, all_gather_dp_groups of bit16_groups_flat). The norm is all-reduced as in
+    fp32: fp32 at stages 1/2 (stage_1_and_2.py:2686-2690), fp64 at stage 3 (stage3.py:2460-2469). The
+    overflow check: bf16's check_grad_overflow, default True (precision_config.py:56), reaches stages 1/2
+    (engine.py:2638-2639, :2706), whose step() then checks (stage_1_and_2.py:3028-3029), all-reducing a
+    uint8 flag (has_overflow, :3237-3242) — on one rank too; stage 3, in fp16 only (stage3.py:2815)."""
+    if stage not in (1, 2, 3):
+        return None
+    return zero_communication(
+        numels,
+        world_size,
+        stage,
+        bucket_elements=bucket_elements,
+        prefetch_elements=prefetch_elements,
+        grad_accum=grad_accum,
+        element_bytes=BF16_ELEMENT_BYTES,
+        uses=uses,
+        gradient_order=gradient_order,
+        overflow_flag=stage in (1, 2),
+    )
 
 
 def zero_rank_cost(
@@ -307,26 +427,38 @@ def zero_rank_cost(
     step_bytes: int,
     unknown: str | None = None,
     activations: tuple[int | None, str | None] = (None, "not predicted here"),
+    session_steps: int = 3,
 ) -> Predicted:
     """What a rank of impls/deepspeed_zero costs by formula (DeepSpeed 0.19's buckets, padding and
-    prefetch; fp32 without `offload` only): stage 0 all-reduces the gradients as DDP does, stages 1-2 an
+    prefetch; fp32, or bf16 at stages 1-3 (`zero_bf16_communication`, `zero_bf16_model_states`), without
+    `offload`): stage 0 all-reduces the gradients as DDP does, stages 1-2 an
     all-reduce per gradient bucket (per partition it spans, for a gradient larger than a bucket) and one
     all-gather of the updated flat parameters, stage 3 the parameters gathered once per forward and the
     gradients reduce-scattered per bucket (`zero_communication`: `bucket_elements` the config's
     reduce_bucket_size, `prefetch_elements` its stage3_prefetch_bucket_size); this rank's partitions, frozen
     parameters left out of them at stages 0-2 (`zero_model_states`); `activations` as (bytes, or None and
     why). `unknown`: why it is not known which parameters train (no communication or model-state formula
-    then)."""
-    if precision != "fp32":
-        no_formula_here = f"no formula for DeepSpeed in {precision} (its 16-bit copies, fp32 masters)"
+    then). `session_steps`: how many steps this session runs (the counted step is the third, or the
+    last of a shorter session)."""
+    if precision not in ("fp32", "bf16"):
+        no_formula_here = f"no formula for DeepSpeed in {precision} (not measured: its loss scaler)"
+    elif precision == "bf16" and stage == 0:
+        no_formula_here = (
+            "no formula for DeepSpeed's stage 0 in bf16 (its fp16-style optimizer, no fp32 masters)"
+        )
     elif offload:
         no_formula_here = "no formula with offload (DeepSpeed's CPU partitions and their copies)"
     else:
         no_formula_here = unknown
     numels, uses = parameters.numels, parameters.uses  # (stage 3 gathers one when its own module runs)
+    communicated, held_states = (
+        (zero_bf16_communication, zero_bf16_model_states)
+        if precision == "bf16"
+        else (zero_communication, zero_model_states)
+    )
     communication = model_states = None
     if not no_formula_here:
-        communication = zero_communication(
+        communication = communicated(
             numels,
             world_size,
             stage,
@@ -336,16 +468,28 @@ def zero_rank_cost(
             uses=uses,
             gradient_order=parameters.gradient_order,  # what its reduce buckets fill in
         )
-        model_states = zero_model_states(
+        model_states = held_states(
             numels, world_size, rank, stage, optimizer, step_bytes=step_bytes, uses=uses
         )
+    unsteady = None
+    # The counted step is the session's third, or its last (distref.training.traffic); in its second step
+    # ZeRO-3 checks the fetch trace it recorded against every rank's: 6 broadcasts
+    if stage == 3 and session_steps < 3:
+        unsteady = (
+            f"ZeRO-3 in a session of {session_steps} step(s): DeepSpeed records its fetch trace in the first "
+            "step and checks it across ranks in the second (broadcasts not modelled); the formula is the "
+            "third's: run 3 steps or more"
+        )
+        communication = None
     held, why_not = activations
     return Predicted(
         communication=communication,
         model_states=model_states,
         activations=held,
         unavailable={
-            "communication": no_formula_here or communication_unavailable(numels, stage, prefetch_elements),
+            "communication": no_formula_here
+            or unsteady
+            or communication_unavailable(numels, world_size, stage, prefetch_elements),
             "model_states": no_formula_here,
             "activations": why_not,
         },

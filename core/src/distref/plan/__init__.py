@@ -9,8 +9,10 @@ implements is costed per GPU and ranked:
   `fsdp_model_states`, `zero_model_states`, `tensor_parallel_model_states`: measured equal in every impl's
   tests, simulated equal up to 512 ranks); in mixed precision the ZeRO paper's bytes per parameter
   (`memory.mixed_precision`, checked against the paper's table). Activations by `cost.activations` and
-  `cost.tp_activations` (exact in fp32 for gpt, lenet and resnet18, every pipeline schedule's order
-  replayed); at 2 bytes per element in mixed precision (extrapolated: autocast has no formula yet).
+  `cost.tp_activations` (exact for gpt, lenet and resnet18 in fp32 and under bf16 — 16-bit parameters
+  in mixed precision, autocast's fp32 stream and 16-bit copies under `--precision autocast` — every
+  pipeline schedule's order replayed), on CUDA's kernels (`cost.attention`: measured on the CPU's only,
+  which the rows say).
 - **communication** per step by `distref.cost`'s per-strategy functions, split by link: intra-node
   (NVLink/PCIe) when the group's ranks share a node, inter-node otherwise (tensor parallelism innermost,
   then the pipeline, data parallelism outermost).

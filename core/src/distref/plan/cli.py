@@ -93,7 +93,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     training.add_argument(
         "--grad-accum", type=positive_int, help="micro-steps per step (sets the micro-batch instead)"
     )
-    training.add_argument("--precision", choices=["mixed", "fp32"], default="mixed")
+    training.add_argument(
+        "--precision",
+        choices=["mixed", "autocast", "fp32"],
+        default="mixed",
+        help="mixed: 16-bit parameters and gradients with fp32 master copies (DeepSpeed's, the ZeRO paper's "
+        "bytes); autocast: fp32 parameters computing in bf16 (the impls' --precision bf16); default mixed",
+    )
     training.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     training.add_argument("--activation-checkpointing", action="store_true")
     training.add_argument(
@@ -294,6 +300,7 @@ def planned(args: argparse.Namespace) -> int:
         checkpointing=args.activation_checkpointing,
         mfu=args.mfu,
         grad_accum=args.grad_accum,
+        device="cpu" if args.gpu == "cpu" else "cuda",  # (whose kernels save the activations)
     )
     check_mesh(args.tp, args.pp, cluster)
     plan = make_plan(model, cluster, training, args.tp, args.pp)

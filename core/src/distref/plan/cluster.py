@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
+
+from distref.cost.activations import Saving, saving_for
+from distref.cost.attention import sdpa_kernel
+
+if TYPE_CHECKING:
+    from distref.simulate import GPTShape
 
 GiB = 2**30
 
@@ -61,13 +68,41 @@ class Cluster:
 class Training:
     global_batch: int  # samples (sequences) per optimizer step
     micro_batch: int  # samples per GPU per micro-step (a pipeline's micro-batch)
-    # "mixed" (16-bit parameters and gradients, fp32 master and optimizer) or "fp32"; for --validate's
-    # records also "fp64" and "autocast" (the impls' --precision bf16: fp32 states, 16-bit compute)
+    # "mixed" (16-bit parameters and gradients, fp32 master and optimizer: DeepSpeed's), "autocast" (the
+    # impls' --precision bf16: fp32 states, 16-bit compute) or "fp32"; for --validate's records also "fp64"
     precision: str
     optimizer: str  # "adamw" or "sgd"
     checkpointing: bool
     mfu: float
     grad_accum: int | None = None  # fixes K, and so the micro-batch, where given
+    device: str = "cuda"  # whose kernels save the activations (--validate: the record's device)
+    # how the parameters compute (distref.cost.activations.saving_for), where not the strategy's (`saving`)
+    parameters: str | None = None
+
+    def saving(self, strategy: str, gpt: GPTShape | None = None, tp: int = 1) -> Saving:
+        """How this training saves its activations under `strategy` (a layout's) on a model of `gpt`'s
+        shape (None: no attention), with `tp` tensor-parallel ranks: dtypes by kind, autocast's copies,
+        SDPA's kernel (by torch's rule for the device, not this machine's GPU). In 16 bits as each impl
+        computes under --precision bf16: fsdp its policy's 16-bit parameters under autocast, deepspeed_zero
+        its 16-bit module; the others fp32 parameters under autocast (`autocast`), or, as the ZeRO paper's
+        mixed precision has it, 16-bit parameters (`mixed`)."""
+        precision = "bf16" if self.precision in ("mixed", "autocast") else self.precision
+        family = strategy.removesuffix("-offload")
+        if self.parameters is not None:
+            parameters = self.parameters
+        elif precision != "bf16":
+            parameters = "full"
+        elif family in ("fsdp", "hsdp"):
+            parameters = "16-bit under autocast"
+        elif family.startswith("zero"):
+            parameters = "16-bit"
+        else:
+            parameters = "16-bit" if self.precision == "mixed" else "full"
+        attention = None
+        if gpt is not None:
+            head_size, heads = gpt.hidden // gpt.heads, gpt.heads // tp
+            attention = sdpa_kernel(self.device, precision, head_size, heads, gpt.seq, ask_the_gpu=False)
+        return saving_for(precision, self.device, parameters, attention)
 
     @property
     def element_bytes(self) -> int:  # a parameter's, a gradient's (and, but under autocast, an activation's)

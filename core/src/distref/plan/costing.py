@@ -27,7 +27,7 @@ from distref.cost.tensor_parallel import (
     tensor_parallel_model_states,
 )
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
-from distref.cost.zero import zero_communication, zero_model_states
+from distref.cost.zero import zero_bf16_communication, zero_communication, zero_model_states
 from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.distributed.stages import default_stages_per_rank, schedule_problem, work_order
 from distref.impl_folders import load_train_api
@@ -181,15 +181,11 @@ def data_parallel_communication(
     stage = int(strategy[-1])
     if n == 1:
         return {}, notes
-    counts = zero_communication(
-        numels,
-        n,
-        stage,
-        bucket_elements=ZERO_REDUCE_BUCKET,
-        prefetch_elements=ZERO_PREFETCH_BUCKET,
-        grad_accum=k,
-        element_bytes=e,
-    )
+    buckets = dict(bucket_elements=ZERO_REDUCE_BUCKET, prefetch_elements=ZERO_PREFETCH_BUCKET, grad_accum=k)
+    if training.precision == "mixed" and stage > 0:  # DeepSpeed's bf16: its overflow flag too
+        counts = zero_bf16_communication(numels, n, stage, **buckets)
+    else:
+        counts = zero_communication(numels, n, stage, **buckets, element_bytes=e)
     if counts is None:  # ZeRO-3 beyond one prefetch bucket: FSDP's pattern (two gathers, one reduce-scatter)
         notes.append("ZeRO-3's communication beyond one prefetch bucket: FSDP's formula (not measured)")
         units = unit_shapes(model)
@@ -217,7 +213,21 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     notes: list[str] = []
     if training.precision == "mixed":
         notes.append(
-            "mixed precision: the ZeRO paper's bytes per parameter, activations at 2 bytes (not measured)"
+            "mixed precision: the ZeRO paper's bytes per parameter (DeepSpeed's padding left out); activations "
+            "as 16-bit parameters save them (impls but fsdp and deepspeed_zero train fp32 parameters under "
+            "autocast: --precision autocast)"
+        )
+    family = layout.strategy.removesuffix("-offload")
+    if training.precision == "autocast" and family.startswith("zero"):
+        notes.append(
+            "autocast: DeepSpeed casts the module to bf16 (no autocast over fp32 parameters): activations as "
+            "its 16-bit parameters save them, states as fp32's"
+        )
+    if model.gpt is not None and training.device == "cuda":
+        notes.append(
+            f"activations: SDPA's {training.saving(layout.strategy, model.gpt).attention} kernel on CUDA saves "
+            "what torch's source says (distref.cost.attention); the formulas are measured exact on the CPU's "
+            "kernels, not yet on a GPU"
         )
     world = layout.dp * layout.tp * layout.pp
     if world > SIMULATED_WORLD:
@@ -233,7 +243,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     if layout.strategy not in ("tp", "model_parallel") and not layout.strategy.startswith("pp-"):
         strategy = layout.strategy.removesuffix("-offload")
         states, cpu_bytes = data_parallel_states(layout, model, training, k)
-        activations = whole_model_activations(model, b, training)
+        activations = whole_model_activations(model, b, training, layout.strategy)
         counts, more = data_parallel_communication(layout, model, training, k)
         notes += more
         if layout.strategy.endswith("-offload"):
@@ -341,12 +351,15 @@ def merge_into(into: Counts, part: Counts) -> None:
     into.update(merge(into, part))
 
 
-def whole_model_activations(model: Model, micro_batch: int, training: Training) -> float | None:
-    """A rank running the whole model on `micro_batch` samples (distref.cost.activations), if a formula
-    (autocast has none)."""
-    if model.formula is None or training.precision == "autocast":
+def whole_model_activations(
+    model: Model, micro_batch: int, training: Training, strategy: str
+) -> float | None:
+    """A rank of `strategy` running the whole model on `micro_batch` samples (distref.cost.activations), if
+    a formula."""
+    if model.formula is None:
         return None
-    return act.stage_bytes(*model.formula(training.element_bytes, training.checkpointing), micro_batch)
+    saving = training.saving(strategy, model.gpt)
+    return act.stage_bytes(*model.formula(saving, training.checkpointing), micro_batch)
 
 
 def step_flops(model: Model, training: Training, world: int) -> float | None:
@@ -374,23 +387,19 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
         )
     if d > 1 and k > 1:  # (impls/tensor_parallel, as impls/fsdp: gradients whole until the last micro-step)
         states["gradients"] = held * e
-    activations = (
-        None
-        if training.precision == "autocast"
-        else tensor_parallel_activation_bytes(
-            micro_batch=b,
-            seq=shape.seq,
-            hidden=shape.hidden,
-            heads=shape.heads,
-            layers=shape.layers,
-            vocab=shape.vocab,
-            tp=t,
-            tp_rank=0,
-            sequence_parallel=True,
-            loss_parallel=True,
-            element_bytes=e,
-            checkpointed=training.checkpointing,
-        )
+    activations = tensor_parallel_activation_bytes(
+        micro_batch=b,
+        seq=shape.seq,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        layers=shape.layers,
+        vocab=shape.vocab,
+        tp=t,
+        tp_rank=0,
+        sequence_parallel=True,
+        loss_parallel=True,
+        checkpointed=training.checkpointing,
+        saving=training.saving("tp", model.gpt, t),
     )
     total = tensor_parallel(
         **dims,
@@ -493,9 +502,8 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
     stage_params = [sum(model.block_parameters[a:z]) for a, z in bounds]
     units = unit_shapes(model)
     stage_rank = {stage: rank for rank, order in orders.items() for _, stage, _ in order}
-    blocks_and_loss = None  # (autocast: no formula)
-    if model.formula and training.precision != "autocast":
-        blocks_and_loss = model.formula(e, training.checkpointing)
+    saving = training.saving(layout.strategy, model.gpt)
+    blocks_and_loss = model.formula(saving, training.checkpointing) if model.formula else None
 
     def rank_costs(rank: int) -> tuple[dict[str, float], float | None]:
         mine = sorted({stage for _, stage, _ in orders[rank]})

@@ -43,7 +43,7 @@ class Model:
     """What the planner knows of a model: its parameter shapes (model.parameters() order), its blocks (a
     pipeline cuts between them: each block's parameter count), the gpt shape where it is a decoder (tensor
     parallelism and the decoder formulas need it), FLOPs of one sample's forward and backward, what one
-    sample is in tokens, the activation formula `formula(element_bytes, checkpointed)` → (blocks, loss)
+    sample is in tokens, the activation formula `formula(saving, checkpointed)` → (blocks, loss)
     of distref.cost.activations (None where there is none), each block's output per sample (what a
     pipeline sends between stages: elements, and bytes under bf16 autocast, which leaves some outputs in
     fp32), and its buffers (BatchNorm's statistics: what DDP broadcasts)."""
@@ -54,7 +54,7 @@ class Model:
     gpt: GPTShape | None = None
     flops_per_sample: float | None = None
     tokens_per_sample: int = 1
-    formula: Callable[[int, bool], tuple[list[act.Block], act.Loss]] | None = None
+    formula: Callable[[act.Saving, bool], tuple[list[act.Block], act.Loss]] | None = None
     block_outputs: list[int] | None = None  # elements of each block's output, per sample
     block_flops: list[float] | None = None  # each block's forward and backward FLOPs, per sample
     autocast_output_bytes: list[int] | None = None  # each block's output per sample under bf16 autocast
@@ -94,12 +94,12 @@ def decoder(name: str, shape: GPTShape) -> Model:
     matmul_weights = shape.parameters() - (shape.vocab + shape.seq) * shape.hidden
     per_token = 6 * matmul_weights + 12 * shape.layers * shape.hidden * shape.seq
 
-    def formula(element_bytes: int, checkpointed: bool):
+    def formula(saving: act.Saving, checkpointed: bool):
         blocks = act.gpt_blocks(
-            shape.seq, shape.hidden, shape.heads, shape.layers, element_bytes, checkpointed
+            shape.seq, shape.hidden, shape.heads, shape.layers, shape.vocab, saving, checkpointed
         )
-        s = shape.seq
-        return blocks, act.Loss(element_bytes * s * shape.vocab + act.INDEX_BYTES * s, element_bytes)
+        s, acc = shape.seq, saving.accumulate
+        return blocks, act.Loss(acc * s * shape.vocab + act.INDEX_BYTES * s, acc)
 
     outputs = [shape.seq * shape.hidden] * (shape.layers + 1) + [shape.seq * shape.vocab]
     # per block: 6 per matmul weight and token, and each transformer block's attention, 12·h·s per token
@@ -207,8 +207,8 @@ def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 
         shape = GPTShape(shape["layers"], shape["hidden"], shape["heads"], shape["vocab"], shape["seq"])
         return dataclasses.replace(decoder(name, shape), **built)
 
-    def formula(element_bytes: int, checkpointed: bool):
-        return act.model_blocks(name, info, gpt_layers, element_bytes, checkpointed)
+    def formula(saving: act.Saving, checkpointed: bool):
+        return act.model_blocks(name, info, gpt_layers, saving, checkpointed)
 
     flops = flops_by_block(module, info.input_shape, tokens)
     outputs = block_outputs(module, info.input_shape, tokens)

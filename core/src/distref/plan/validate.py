@@ -131,18 +131,20 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     if impl == "fsdp" and world % (options.get("hsdp") or 1):
         raise PlanError(f"--hsdp {options['hsdp']} does not divide its {world} ranks")
     notes = []
-    # bf16/fp16: the impls keep fp32 states and compute in 16 bits under autocast (no activation formula);
-    # DeepSpeed alone trains 16-bit parameters with fp32 master copies, the ZeRO paper's mixed precision
+    # bf16/fp16: the impls keep fp32 states and compute in 16 bits under autocast (FSDP2's policy gathers
+    # 16-bit parameters); DeepSpeed alone trains 16-bit parameters with fp32 master copies, the ZeRO
+    # paper's mixed precision
     precision = config["precision"]
-    if precision in ("bf16", "fp16"):
+    if precision in ("bf16", "fp16"):  # (each strategy's activations as its impl computes: Training.saving)
         precision = "mixed" if impl == "deepspeed_zero" else "autocast"
         notes.append(
             f"--precision {config['precision']}: "
             + (
                 "DeepSpeed's 16-bit parameters and fp32 master copies planned by the ZeRO paper's bytes "
-                "per parameter (DeepSpeed's padding left out), activations at 2 bytes"
+                "per parameter (DeepSpeed's padding left out)"
                 if precision == "mixed"
-                else "fp32 states, 16-bit compute under autocast; activations not planned (no formula)"
+                else "fp32 states, 16-bit compute under autocast"
+                + (" (FSDP2's policy: 16-bit parameters and inputs)" if impl == "fsdp" else "")
             )
         )
     elif precision not in ("fp32", "fp64"):
@@ -166,6 +168,7 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         checkpointing=config["activation_checkpointing"],
         mfu=DEFAULT_MFU,
         grad_accum=options.get("microbatches") or config["grad_accum"],  # (a pipeline's: its micro-batches)
+        device="cpu" if record["environment"]["device"] == "cpu" else "cuda",
     )
     gpu = GPUS["cpu"] if record["environment"]["device"] == "cpu" else gpu_named(record["environment"])
     row = cost(IMPL_LAYOUT[impl](world, options), model, Cluster(gpu, world), training)

@@ -46,6 +46,13 @@ def example_mlp() -> nn.Module:
     return model
 
 
+def batch_norm_mlp() -> nn.Module:
+    """A model of yours with a BatchNorm (its running statistics: fp32 buffers)."""
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Sequential(OrderedDict(norm=nn.BatchNorm1d(32))), nn.Linear(32, 4)
+    )
+
+
 def example_data() -> tuple[TensorDataset, TensorDataset]:
     """A dataset as you would give one: (train, test) torch TensorDatasets of (features, class) pairs."""
     g = torch.Generator().manual_seed(0)
