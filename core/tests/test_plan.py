@@ -414,3 +414,17 @@ def test_activations_are_planned_as_each_precision_saves_them_on_cuda(precision,
     assert any("--precision autocast" in note for note in rows["ddp"]["extrapolated"]) == (
         precision == "mixed"
     )
+
+
+def test_a_decoder_preset_s_pipeline_under_autocast_sends_the_fp32_residual_stream(capsys):
+    """--precision autocast on a preset (no model built to run under autocast): each boundary sends the
+    embeddings' or a block's output, the residual stream, in fp32 (autocast leaves it so), and its gradient."""
+    code, out = run_plan(
+        capsys, "--model", "125m", "--gpus", "2", "--pp", "2", "--precision", "autocast", "--json"
+    )
+    assert code == 0
+    row = next(row for row in json.loads(out) if row["strategy"] == "pp-1f1b")
+    assert not any("not estimated" in note for note in row["extrapolated"])
+    shape = MODELS["125m"]
+    micro_steps = row["grad_accum"]  # (one micro-batch of 1 sample per micro-step; forward and backward)
+    assert row["communication_bytes"]["intra_node"] == 2 * micro_steps * 4 * shape.seq * shape.hidden

@@ -527,6 +527,12 @@ def pipeline_costs(layout: Layout, model: Model, training: Training, b: int, k: 
     # boundary block's output has (under autocast: bf16 after a linear layer, fp32 after a residual sum)
     if training.precision == "autocast":
         output_bytes = model.autocast_output_bytes
+        if output_bytes is None and model.gpt is not None and model.block_outputs:
+            # a decoder preset (not built): the embeddings' and blocks' outputs are the fp32 residual
+            # stream, the head's the 16-bit logits
+            output_bytes = [4 * elements for elements in model.block_outputs[:-1]] + [
+                2 * model.block_outputs[-1]
+            ]
     else:
         output_bytes = model.block_outputs and [elements * e for elements in model.block_outputs]
     if output_bytes is None:
