@@ -4,6 +4,7 @@ on the compare runs): core/tests/test_report_and_compare.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -428,3 +429,19 @@ def test_a_decoder_preset_s_pipeline_under_autocast_sends_the_fp32_residual_stre
     shape = MODELS["125m"]
     micro_steps = row["grad_accum"]  # (one micro-batch of 1 sample per micro-step; forward and backward)
     assert row["communication_bytes"]["intra_node"] == 2 * micro_steps * 4 * shape.seq * shape.hidden
+
+
+@pytest.mark.parametrize("precision", ["mixed", "autocast"])
+def test_a_batchnorm_model_in_16_bits_is_not_planned_where_the_impls_refuse_it(precision):
+    """resnet18 in 16 bits: impls/fsdp and impls/deepspeed_zero refuse it (BatchNorm's weights 16-bit, its
+    running statistics fp32), so the plan skips their rows, saying why, and plans the others; in fp32 it
+    plans them all."""
+    model = project_model("resnet18")
+    cluster = Cluster(GPUS["cpu"], 2)
+    training = Training(8, 1, precision, "adamw", False, 0.4, device="cpu")
+    found = make_plan(model, cluster, training)
+    strategies = {row.strategy for row in found.rows}
+    assert "ddp" in strategies and not strategies & {"fsdp", "zero1", "zero2", "zero3", "zero3-offload"}
+    assert any("refuse a BatchNorm in 16 bits" in why for _, why in found.skipped)
+    fp32 = make_plan(model, cluster, dataclasses.replace(training, precision="fp32"))
+    assert {"fsdp", "zero3"} <= {row.strategy for row in fp32.rows}

@@ -113,14 +113,21 @@ def batch_norm_in_16_bits_problem(cfg: RunConfig, who: str) -> str | None:
     if cfg.model == "resnet18":
         found = "resnet18's BatchNorm layers keep"
     elif is_factory(cfg.model):
-        try:
-            model = own_model(cfg.model)
+        try:  # (on the meta device: its modules are what matters, not its weights)
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model = own_model(cfg.model)
         except FactoryError:
             return None  # (said by validate)
-        names = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        if not names:
+        found = next(
+            (
+                f"its module '{name}' ({type(module).__name__}) keeps"
+                for name, module in model.named_modules()
+                if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            ),
+            None,
+        )
+        if found is None:
             return None
-        found = f"its BatchNorm {names[0]} keeps"
     else:
         return None
     return (

@@ -247,7 +247,7 @@ OWN_DATA = ("--dataset", "distref.testing.own:example_data")
             [*("--model", "distref.testing.own:batch_norm_mlp", "--precision", "bf16"), *OWN_DATA],
             2,
             "--model distref.testing.own:batch_norm_mlp --precision bf16: FSDP2's MixedPrecisionPolicy "
-            "computes with bf16 parameters, but its BatchNorm 1.norm keeps fp32 running statistics, which "
+            "computes with bf16 parameters, but its module '1.norm' (BatchNorm1d) keeps fp32 running statistics, which "
             "torch's batch_norm refuses; use --precision fp32",
         ),
     ],

@@ -76,8 +76,6 @@ class Training:
     mfu: float
     grad_accum: int | None = None  # fixes K, and so the micro-batch, where given
     device: str = "cuda"  # whose kernels save the activations (--validate: the record's device)
-    # how the parameters compute (distref.cost.activations.saving_for), where not the strategy's (`saving`)
-    parameters: str | None = None
 
     def saving(self, strategy: str, gpt: GPTShape | None = None, tp: int = 1) -> Saving:
         """How this training saves its activations under `strategy` (a layout's) on a model of `gpt`'s
@@ -88,9 +86,7 @@ class Training:
         mixed precision has it, 16-bit parameters (`mixed`)."""
         precision = "bf16" if self.precision in ("mixed", "autocast") else self.precision
         family = strategy.removesuffix("-offload")
-        if self.parameters is not None:
-            parameters = self.parameters
-        elif precision != "bf16":
+        if precision != "bf16":
             parameters = "full"
         elif family in ("fsdp", "hsdp"):
             parameters = "16-bit under autocast"

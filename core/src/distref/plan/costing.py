@@ -209,15 +209,23 @@ def unit_shapes(model: Model) -> list[list[tuple[int, ...]]]:
 
 
 def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> Row:
-    """One layout's memory, communication and time per GPU (the worst GPU where they differ)."""
+    """One layout's memory, communication and time per GPU (the worst GPU where they differ); PlanError for
+    a layout whose impl refuses the model in this precision."""
     notes: list[str] = []
+    family = layout.strategy.removesuffix("-offload")
+    sixteen_bit_parameters = family.startswith(("fsdp", "hsdp", "zero")) and training.precision != "fp32"
+    if sixteen_bit_parameters and any(dtype.is_floating_point for _, dtype, _ in model.buffers):
+        raise PlanError(  # (distref.your_model.batch_norm_in_16_bits_problem, which the impls ask)
+            "impls/fsdp and impls/deepspeed_zero refuse a BatchNorm in 16 bits: its weights would be 16-bit, "
+            "its running statistics fp32"
+        )
     if training.precision == "mixed":
         notes.append(
-            "mixed precision: the ZeRO paper's bytes per parameter (DeepSpeed's padding left out); activations "
+            "mixed precision: the ZeRO paper's bytes per parameter (DeepSpeed's own partition of the "
+            "gradients and padding left out: distref.cost.zero.zero_bf16_model_states has them); activations "
             "as 16-bit parameters save them (impls but fsdp and deepspeed_zero train fp32 parameters under "
             "autocast: --precision autocast)"
         )
-    family = layout.strategy.removesuffix("-offload")
     if training.precision == "autocast" and family.startswith("zero"):
         notes.append(
             "autocast: DeepSpeed casts the module to bf16 (no autocast over fp32 parameters): activations as "
