@@ -445,3 +445,15 @@ def test_a_batchnorm_model_in_16_bits_is_not_planned_where_the_impls_refuse_it(p
     assert any("refuse a BatchNorm in 16 bits" in why for _, why in found.skipped)
     fp32 = make_plan(model, cluster, dataclasses.replace(training, precision="fp32"))
     assert {"fsdp", "zero3"} <= {row.strategy for row in fp32.rows}
+
+
+def test_resnet18_without_torchvision_is_one_line(monkeypatch, capsys):
+    """resnet18 is torchvision's: without it (core alone installs none) the plan says so in one line, exit 2,
+    not an import's traceback."""
+    import distref.plan.model
+
+    monkeypatch.setattr(distref.plan.model, "torchvision_problem", lambda: "it is not installed")
+    code = plan.main(["--model", "resnet18", "--gpu", "cpu", "--gpus", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--model resnet18 needs torchvision, and it is not installed: pip install torchvision" in err

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from distref.cli import torchvision_problem
 from distref.config import is_factory
 from distref.cost import activations as act
 from distref.cost.tensor_parallel import gpt_parameters
@@ -188,6 +189,10 @@ def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 
     """lenet, resnet18 or gpt (`gpt_layers` transformer blocks) as distref.models builds it for a dataset
     (`info`; by default the model's usual one): its classes, input shape and vocabulary are the model's."""
     info = info or PROJECT_DATASETS[name]
+    if name == "resnet18" and (why := torchvision_problem()):  # (it was an import's traceback)
+        raise PlanError(
+            f"--model resnet18 needs torchvision, and {why}: pip install torchvision (the build made for your torch)"
+        )
     try:
         with torch.device("meta"):
             module = build_model(name, info, gpt_layers)
