@@ -1,5 +1,5 @@
 """Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `compare-gpu`, `parity`, `faults`, `export`,
-`lint`, `tests`, `tests-gpu`, `gpu-check`, `torch-floor`, `slurm`, `mutants`.
+`lint`, `tests`, `tests-gpu`, `gpu-check`, `gpu-bench`, `torch-floor`, `slurm`, `mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
 unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
@@ -302,9 +302,21 @@ def run_gpu_tests(session: nox.Session) -> None:
 
 @nox.session(name="gpu-check", venv_backend="none")
 def gpu_check(session: nox.Session) -> None:
-    """Check a GPU machine in ~6 minutes, one table (docs/gpu.md): with the `python` on PATH and its own
-    torch, no venv (a GPU node often reaches no registry). `-- --bundle DIR` installs the offline bundle."""
+    """Check a GPU machine in ~10 minutes (the benchmark included), one table (docs/gpu.md): with the
+    `python` on PATH and its own torch, no venv (a GPU node often reaches no registry). `-- --bundle DIR`
+    installs the offline bundle."""
     session.run("python", str(ROOT / "ci" / "gpu_check.py"), *session.posargs, external=True)
+
+
+@nox.session(name="gpu-bench")
+def gpu_bench(session: nox.Session) -> None:
+    """Every impl on GPT-2 small, bf16, eager and compiled, at the largest world the GPUs allow, against
+    a bare loop of the same model: one table (ci/gpu_bench.py, docs/gpu.md). Skips without CUDA (fails
+    where DISTREF_REQUIRE_GPU=1). `-- --impls single,ddp --steps 60`"""
+    install_core(session, "tqdm", *impl_requirements(*IMPLS))
+    session.env.setdefault("DISTREF_DATA", DATA_ROOT)
+    cuda_gpus(session)
+    session.run("python", str(ROOT / "ci" / "gpu_bench.py"), *session.posargs)
 
 
 @nox.session(name="torch-floor")

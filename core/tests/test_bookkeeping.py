@@ -37,7 +37,7 @@ def test_step_log_flushes_losses_into_the_record_and_stops_a_diverged_run(tmp_pa
     cadence = Cadence(cfg, 4, 4)
     with StepLog(record, cfg, "single", cadence, 0, show=False) as log:
         for loss in (1.0, 0.5):
-            assert log.step_done(torch.tensor(loss), time.perf_counter()) == log.times[-1] >= 0
+            assert log.step_done(torch.tensor(loss), time.perf_counter()) >= 0  # (the CPU: the host's clock)
         log.flush(2, reduce=lambda losses: losses * 2)  # e.g. a mean over ranks
         assert [(s["step"], s["loss"]) for s in record.data["steps"]] == [(0, 2.0), (1, 1.0)]
         log.evaluated(2, torch.tensor([3.0, 6.0, 10.0], dtype=torch.float64), time.perf_counter())

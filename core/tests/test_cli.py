@@ -13,7 +13,7 @@ BAD = [
     (["--global-batch-size", "0"], "--global-batch-size: must be a positive integer"),
     (["--global-batch-size", "abc"], "--global-batch-size: invalid"),
     (["--model", "gpt", "--dataset", "mnist"], "--model gpt does not train on --dataset mnist"),
-    (["--model", "vgg"], "--model: 'vgg': choose from lenet, resnet18, gpt, or give MODULE:FUNCTION"),
+    (["--model", "vgg"], "--model: 'vgg': choose from lenet, resnet18, gpt, gpt2, or give MODULE:FUNCTION"),
     (["--epochs", "1", "--steps", "5"], "not allowed with argument"),
     (["--global-batch-size", "10", "--grad-accum", "4"], "must be divisible by world size × --grad-accum"),
     (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs CUDA"),

@@ -129,7 +129,7 @@ def test_ours_is_deepspeed_s_zero2_estimate_plus_named_terms(model_name, world_s
       − 2Ψ/N           no 16-bit gradient partition (fp32 training reduces into the fp32 one)
       + 4(G_r − Ψ/N)   the gradient partition holds the WHOLE gradient of every parameter overlapping it
       + 12(P − Ψ/N)    master copy and moments cover the padded partition P = Ψ'/N
-      + 4 + 4          the kept gradient norm (fp32) and AdamW's step count
+      + 4              AdamW's step count (no gradient norm kept: the config's compute_grad_norm false)
       + truncation     DeepSpeed's int(18Ψ/N)"""
     sizes, n = numels(model_name), world_size
     psi = Fraction(sum(sizes))
@@ -144,7 +144,7 @@ def test_ours_is_deepspeed_s_zero2_estimate_plus_named_terms(model_name, world_s
             - 2 * psi / n
             + 4 * (overlap - psi / n)
             + 12 * (partition - psi / n)
-            + 8
+            + 4
             + (18 * psi / n - math.floor(18 * psi / n))
         )
         assert ours == estimate + terms, (rank, ours, estimate)
@@ -185,7 +185,7 @@ def test_ours_is_the_paper_s_fp32_formula_plus_the_master_copy(model_name, world
     partition even in fp32 training, 4Ψ/N the paper's fp32 formula (4Ψ + 4Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N)
     has not. The rest, to the byte: padding; at stages 1/2 the gradients of the parameters overlapping
     the partition, whole (below the formula at stage 1, whose 4Ψ are every gradient; above at stage 2,
-    whose 4Ψ/N are the partition alone); the kept gradient norm and AdamW's step."""
+    whose 4Ψ/N are the partition alone); AdamW's step (no gradient norm kept at stages 1/2)."""
     sizes, n = numels(model_name), world_size
     psi = Fraction(sum(sizes))
     padded, partition = flat_partition(sizes, n)
@@ -196,7 +196,7 @@ def test_ours_is_the_paper_s_fp32_formula_plus_the_master_copy(model_name, world
         gradients = {1: 4 * (overlap - psi), 2: 4 * (overlap - psi / n)}
         for stage in (1, 2):
             ours = sum(zero_model_states(sizes, n, rank, stage, "adamw").values())
-            expected = paper_fp32(sum(sizes), n, stage) + 4 * psi / n + padding + gradients[stage] + 4 + 4
+            expected = paper_fp32(sum(sizes), n, stage) + 4 * psi / n + padding + gradients[stage] + 4
             assert ours == expected, (stage, rank)
         ours3 = sum(zero_model_states(sizes, n, rank, 3, "adamw").values())
         assert ours3 == paper_fp32(sum(sizes), n, 3) + 4 * psi / n + 20 * (padded3 - psi) / n + 8 + 4

@@ -220,6 +220,38 @@ MINE = textwrap.dedent('''
         return DataDependent()
 
 
+    def built_from_values():
+        """A constructor that reads a value (`.item()`): it cannot be built on the meta device."""
+        model = mlp()
+        width = int(model.fc1.weight.abs().sum().item() > 0) * 32
+        assert width == 32
+        return model
+
+
+    def weight_normed():
+        """Holds a non-leaf tensor as an attribute (nn.utils.weight_norm's `weight`): deepcopy refuses it."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return nn.Sequential(
+                OrderedDict(fc1=nn.utils.weight_norm(nn.Linear(16, 32)), act=nn.ReLU(), fc2=nn.Linear(32, 4))
+            )
+
+
+    class NanOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(x) * float("nan")
+
+
+    def nan_out():
+        return NanOut()
+
+
     class WithUnused(nn.Module):
         def __init__(self):
             super().__init__()
@@ -298,7 +330,7 @@ ON_MINE = ["--dataset", "mine:data"]
         (
             "single",
             ["--model", "mlp"],
-            "--model: 'mlp': choose from lenet, resnet18, gpt, or give MODULE:FUNCTION",
+            "--model: 'mlp': choose from lenet, resnet18, gpt, gpt2, or give MODULE:FUNCTION",
         ),
         ("single", ["--model", "mine:nothere", *ON_MINE], "mine ("),  # ... has no function nothere
         ("single", ["--model", "nomodule:mlp", *ON_MINE], "--model nomodule:mlp: cannot import nomodule"),
@@ -608,6 +640,31 @@ def test_ddp_looks_for_unused_parameters_where_the_meta_forward_cannot_tell(proj
     said = [line for line in result.stdout.splitlines() if "DDP looks for unused" in line]
     assert len(said) == 1 and "unknown which parameters the loss uses" in said[0], said
     assert "fc1.weight" not in said[0]
+
+
+def test_a_model_that_cannot_be_built_on_the_meta_device_is_checked_for_real(project):
+    """The contract is checked on the meta device first (no memory, no compute); a constructor that needs
+    values (`.item()`) fails there, and is then built and checked for real, where it trains."""
+    args = ["--model", "mine:built_from_values", "--dataset", "mine:data", "--steps", "2"]
+    result = run_script([sys.executable, str(train_path("single")), *args], cwd=project)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_model_deepcopy_refuses_is_built_again_for_fsdp_s_evaluation_copy(project):
+    args = ["--model", "mine:weight_normed", "--dataset", "mine:data", "--steps", "2"]
+    result = run_ranks(2, str(train_path("fsdp")), args, env=dict(os.environ), timeout=120, cwd=project)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_model_whose_first_loss_is_nan_is_not_told_to_lower_the_lr(project):
+    """Checked on the meta device, nothing has a value: the first step says it (its loss comes from the
+    initial parameters, before any update), not 'training diverged; lower --lr'."""
+    args = ["--model", "mine:nan_out", "--dataset", "mine:data", "--steps", "3", "--log-every", "1"]
+    result = run_script([sys.executable, str(train_path("single")), *args], cwd=project)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "the loss is nan at step 1" in lines[0] and "from its initial parameters" in lines[0]
+    assert "lower --lr" not in lines[0]
 
 
 @pytest.mark.parametrize("world, dp_shard", [(2, 1), (4, 2)])

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO's formulas in bf16 (distref.cost.zero: zero_bf16_model_states, zero_bf16_communication),
 pinned term by term on a tiny model worked out by hand: four parameters of 10, 20, 30 and 3 elements
 (Ψ = 63), AdamW with a 4-byte step or SGD with momentum. bf16 keeps and sends the model's dtype (b = 2)
-and keeps fp32 masters and optimizer states (m = 4); stages 1/2 all-reduce a 1-byte overflow flag. Real
+and keeps fp32 masters and optimizer states (m = 4); stages 1/2 neither check for overflow nor compute
+the gradient norm (the impl's config turns both off), so they all-reduce neither a flag nor a norm. Real
 runs check the same formulas against DeepSpeed (impls/deepspeed_zero, test_cost_equals_the_formulas)."""
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ def counts(**kinds: tuple[int, int, float]) -> dict:
 # rank 2 30 + 3 and 3 of padding. Stage 3 pads each parameter to a multiple of N: 2 ranks 10, 20, 30, 4
 # (64: 32 each), 3 ranks 12, 21, 30, 3 (66: 22 each). One rank: Ψ' = 64 at stages 1/2, 63 at stage 3.
 MODEL_STATES = {
-    # (stage, world, rank, optimizer): parameters Ψ'·2 (stage 3: Ψ'/N·2), gradients b·held + 4 (stage 3:
-    # Ψ'/N·2 + 8), optimizer P·4 master + 2P·4 + 4 (AdamW) or + P·4 (SGD)
-    (1, 2, 0, "adamw"): {"parameters": 128, "gradients": 60 * 2 + 4, "optimizer": 32 * 4 * 3 + 4},
-    (2, 2, 1, "adamw"): {"parameters": 128, "gradients": 34 * 2 + 4, "optimizer": 32 * 4 * 3 + 4},
-    (2, 2, 0, "sgd"): {"parameters": 128, "gradients": 60 * 2 + 4, "optimizer": 32 * 4 * 2},
-    (1, 3, 0, "adamw"): {"parameters": 132, "gradients": 30 * 2 + 4, "optimizer": 22 * 4 * 3 + 4},
-    (2, 3, 1, "adamw"): {"parameters": 132, "gradients": 50 * 2 + 4, "optimizer": 22 * 4 * 3 + 4},
-    (2, 3, 2, "sgd"): {"parameters": 132, "gradients": 36 * 2 + 4, "optimizer": 22 * 4 * 2},
-    (1, 1, 0, "adamw"): {"parameters": 128, "gradients": 64 * 2 + 4, "optimizer": 64 * 4 * 3 + 4},
+    # (stage, world, rank, optimizer): parameters Ψ'·2 (stage 3: Ψ'/N·2), gradients b·held (no kept norm;
+    # stage 3: Ψ'/N·2 + 8, its fp64 norm), optimizer P·4 master + 2P·4 + 4 (AdamW) or + P·4 (SGD)
+    (1, 2, 0, "adamw"): {"parameters": 128, "gradients": 60 * 2, "optimizer": 32 * 4 * 3 + 4},
+    (2, 2, 1, "adamw"): {"parameters": 128, "gradients": 34 * 2, "optimizer": 32 * 4 * 3 + 4},
+    (2, 2, 0, "sgd"): {"parameters": 128, "gradients": 60 * 2, "optimizer": 32 * 4 * 2},
+    (1, 3, 0, "adamw"): {"parameters": 132, "gradients": 30 * 2, "optimizer": 22 * 4 * 3 + 4},
+    (2, 3, 1, "adamw"): {"parameters": 132, "gradients": 50 * 2, "optimizer": 22 * 4 * 3 + 4},
+    (2, 3, 2, "sgd"): {"parameters": 132, "gradients": 36 * 2, "optimizer": 22 * 4 * 2},
+    (1, 1, 0, "adamw"): {"parameters": 128, "gradients": 64 * 2, "optimizer": 64 * 4 * 3 + 4},
     (3, 2, 1, "adamw"): {"parameters": 32 * 2, "gradients": 32 * 2 + 8, "optimizer": 32 * 4 * 3 + 4},
     (3, 3, 2, "sgd"): {"parameters": 22 * 2, "gradients": 22 * 2 + 8, "optimizer": 22 * 4 * 2},
     (3, 1, 0, "adamw"): {"parameters": 63 * 2, "gradients": 63 * 2 + 8, "optimizer": 63 * 4 * 3 + 4},
@@ -53,27 +54,27 @@ def test_bf16_model_states_are_16_bit_copies_and_fp32_masters(case):
 
 
 def test_bf16_model_states_differ_from_fp32_s_in_the_16_bit_terms_only():
-    """Against fp32 on the same partitions: parameters and gradients halve (the norm kept, 4 or 8 bytes,
-    does not), the master partition and the optimizer's states do not."""
+    """Against fp32 on the same partitions: parameters and gradients halve (stage 3's kept norm, 8 bytes,
+    does not; stages 1/2 keep none), the master partition and the optimizer's states do not."""
     for stage in (1, 2, 3):
         fp32 = zero_model_states(NUMELS, 2, 0, stage, "adamw")
         bf16 = zero_bf16_model_states(NUMELS, 2, 0, stage, "adamw")
-        norm = 8 if stage == 3 else 4
+        norm = 8 if stage == 3 else 0
         assert bf16["parameters"] * 2 == fp32["parameters"]
         assert (bf16["gradients"] - norm) * 2 == fp32["gradients"] - norm
         assert bf16["optimizer"] == fp32["optimizer"]
 
 
 COMMUNICATION = {
-    # (stage, world, grad_accum): stages 1/2 all-reduce K'·Ψ·2 in one bucket (K' = 1 at stage 1, K at 2),
-    # then the 1-byte overflow flag and the 4-byte norm, and all-gather Ψ'·2; stage 3 gathers Ψ'·2 and
+    # (stage, world, grad_accum): stages 1/2 all-reduce K'·Ψ·2 in one bucket (K' = 1 at stage 1, K at 2)
+    # and nothing else (no overflow flag, no norm), and all-gather Ψ'·2; stage 3 gathers Ψ'·2 and
     # reduce-scatters Ψ'·2 per micro-step, and all-reduces the 8-byte norm (no overflow flag). Bus bytes:
     # 2(N-1)/N of an all-reduce, (N-1)/N of the others.
-    (1, 2, 1): counts(all_reduce=(3, 63 * 2 + 1 + 4, 131.0), all_gather=(1, 64 * 2, 64.0)),
-    (1, 2, 2): counts(all_reduce=(3, 63 * 2 + 1 + 4, 131.0), all_gather=(1, 64 * 2, 64.0)),
-    (2, 2, 2): counts(all_reduce=(4, 2 * 63 * 2 + 1 + 4, 257.0), all_gather=(1, 64 * 2, 64.0)),
-    (2, 3, 1): counts(all_reduce=(3, 63 * 2 + 1 + 4, 131 * 4 / 3), all_gather=(1, 66 * 2, 66 * 2 * 2 / 3)),
-    (1, 1, 1): counts(all_reduce=(3, 63 * 2 + 1 + 4, 0.0)),  # the flag and the norm on one rank too
+    (1, 2, 1): counts(all_reduce=(1, 63 * 2, 126.0), all_gather=(1, 64 * 2, 64.0)),
+    (1, 2, 2): counts(all_reduce=(1, 63 * 2, 126.0), all_gather=(1, 64 * 2, 64.0)),
+    (2, 2, 2): counts(all_reduce=(2, 2 * 63 * 2, 252.0), all_gather=(1, 64 * 2, 64.0)),
+    (2, 3, 1): counts(all_reduce=(1, 63 * 2, 126 * 4 / 3), all_gather=(1, 66 * 2, 66 * 2 * 2 / 3)),
+    (1, 1, 1): counts(all_reduce=(1, 63 * 2, 0.0)),  # the gradients only, on one rank too
     (3, 2, 1): counts(all_gather=(1, 64 * 2, 64.0), reduce_scatter=(1, 64 * 2, 64.0), all_reduce=(1, 8, 8.0)),
     (3, 2, 2): counts(
         all_gather=(2, 2 * 64 * 2, 128.0), reduce_scatter=(2, 2 * 64 * 2, 128.0), all_reduce=(1, 8, 8.0)
@@ -83,7 +84,7 @@ COMMUNICATION = {
 
 
 @pytest.mark.parametrize("case", COMMUNICATION, ids=lambda case: "stage{}-w{}-accum{}".format(*case))
-def test_bf16_communication_is_in_2_bytes_with_an_overflow_flag_at_stages_1_and_2(case):
+def test_bf16_communication_is_in_2_bytes_without_an_overflow_flag_or_a_norm_at_stages_1_and_2(case):
     stage, world, accum = case
     got = zero_bf16_communication(
         NUMELS, world, stage, bucket_elements=BIG, prefetch_elements=BIG, grad_accum=accum
@@ -100,8 +101,8 @@ def test_bf16_buckets_count_elements_not_bytes():
     gradient cut at rank 1's partition, 2 + 28, is one all-reduce: its pieces pass B together)."""
     bf16 = zero_bf16_communication(NUMELS, 2, 2, bucket_elements=25, prefetch_elements=BIG)
     fp32 = zero_communication(NUMELS, 2, 2, bucket_elements=25, prefetch_elements=BIG)
-    assert bf16["all_reduce"]["calls"] == fp32["all_reduce"]["calls"] + 1 == 4 + 2
-    assert bf16["all_reduce"]["bytes"] == 63 * 2 + 1 + 4
+    assert bf16["all_reduce"]["calls"] == fp32["all_reduce"]["calls"] == 4
+    assert bf16["all_reduce"]["bytes"] == 63 * 2
 
 
 def test_one_rank_at_stage_3_has_a_formula_beyond_one_prefetch_bucket():

@@ -49,7 +49,6 @@ from distref.training.device import (
     pick_device,
     seed_everything,
     seed_step,
-    synchronize,
 )
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
@@ -148,8 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps))
-    log = StepLog(record, cfg, IMPL, cadence, start_step)
+    micro_batches = train_loader(train_set, cfg, start_step, n_steps, device=device)
+    log = StepLog(record, cfg, IMPL, cadence, start_step, device=device)
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
@@ -163,17 +162,16 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)
-            step_loss = torch.zeros((), device=device)
+            step_loss = None
             for _ in range(cfg.grad_accum):
-                x, y = next(micro_batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = next(micro_batches)  # on the device already, the next one on its way
                 with autocast(cfg, device):
                     loss = loss_sum(model(x), y) / scored
                 # The micro-batches' gradients add up to the global batch's, as one big batch gives.
                 # --- DataParallel: nothing to undo: the loss is over the outputs gathered on GPU 0 (the
                 # whole micro-batch), and backward *sums* the replicas' gradients into the module's.
                 scaler.scale(loss).backward()
-                step_loss += loss.detach()
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()  # (K=1: no add)
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -183,8 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
             if state_bytes is None:
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            log.step_done(step_loss, started)
+            log.step_done(step_loss, started)  # (no wait for the GPU: the step is timed by events)
             prof.step()
 
             due = cadence.after(step)
@@ -237,6 +234,10 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     """nn.DataParallel takes every visible GPU whatever the run's device: on the CPU, hide them."""
     if cfg.device == "cpu" and torch.cuda.is_available():
         return "--device cpu: nn.DataParallel would take the visible GPUs anyway; hide them (CUDA_VISIBLE_DEVICES=)"
+    if (
+        cfg.compile
+    ):  # (its replicas are copies made at every forward, which share the original's compiled call)
+        return "--compile: nn.DataParallel copies the model onto each GPU at every forward; compile with ddp instead"
     return None
 
 

@@ -58,13 +58,13 @@ from distref.training.checkpoint import (
     save_step_checkpoint,
     unwrap_state_dict,
 )
+from distref.training.compile import compile_blocks
 from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
     seed_everything,
     seed_step,
-    synchronize,
 )
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:  # torch.compile, block by block, before any strategy wraps the model
+        compile_blocks(model)
     # --- DDP: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
@@ -245,8 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
     # --- DDP: this rank's slice of every global batch (same order as single, any world size) ---
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
-    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}")
+    micro_batches = train_loader(train_set, cfg, start_step, n_steps, rank, world_size, device=device)
+    log = StepLog(
+        record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}", device=device
+    )
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
@@ -260,10 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)  # --- DDP: of the whole batch, not this rank's
-            step_loss = torch.zeros((), device=device)
+            step_loss = None
             for micro_step in range(cfg.grad_accum):
-                x, y = next(micro_batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = next(micro_batches)  # on the device already, the next one on its way
                 # --- DDP: all-reduce gradients only in the last micro-step's backward; before it,
                 # no_sync() lets each rank accumulate locally (K-1 fewer all-reduces per step).
                 # Counted per rank: every rank runs grad_accum micro-steps of B/(world·K) samples.
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                     # --- DDP: and so do the ranks': the all-reduce sums them (summing_hook), where DDP's
                     # own would average them, dividing the global batch's gradient by the world size.
                     scaler.scale(loss).backward()
-                step_loss += loss.detach()
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()  # (K=1: no add)
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -285,8 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
             if state_bytes is None:
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            log.step_done(step_loss, started)
+            log.step_done(step_loss, started)  # (no wait for the GPU: the step is timed by events)
             prof.step()
 
             due = cadence.after(step)

@@ -71,12 +71,12 @@ from distref.training.checkpoint import (
     resume_step,
     save_checkpoint,
 )
+from distref.training.compile import compile_blocks
 from distref.training.device import (
     configure_cpu_threads,
     param_dtype,
     seed_everything,
     seed_step,
-    synchronize,
 )
 from distref.training.measure import zero_model_state_bytes
 from distref.training.monitor import profiler
@@ -172,8 +172,10 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
         "contiguous_gradients": True,
-        "overlap_comm": stage >= 2,  # reduce gradients in backward, as they are produced
+        "overlap_comm": stage >= 2 and world_size > 1,  # reduce during backward; 1 rank: nothing to overlap
     }
+    if stage in (1, 2) and not cfg.strategy.offload_optimizer:
+        zero["compute_grad_norm"] = False  # only clipping (off) reads it: no norm all-reduce
     if stage == 3:
         # Below this many elements a parameter is kept whole on every rank (default 1e5): lenet's and gpt's
         # tensors all are, so nothing would be partitioned. 0 partitions every one, as a large model would be.
@@ -191,7 +193,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
         # DeepSpeed 0.19 clips the global gradient norm at 1.0 unless told otherwise (its default changed
         # from 0.0): single does not clip, and clipping silently changed the result from step 10 on here.
         "gradient_clipping": 0.0,
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        # single's bf16 skips no step: no overflow check (a flag all-reduce, .item()); nan: stop_if_diverged
+        "bf16": {"enabled": cfg.precision == "bf16", "check_grad_overflow": False},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0},  # 0: dynamic loss scaling
         # The optimizer is single's own torch AdamW/SGD (make_optimizer), passed in: the same update as
         # every other impl, and nothing compiled. DeepSpeed's FusedAdam/CPUAdam JIT-compile C++ (~2 min)
@@ -305,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:  # torch.compile, block by block, before any strategy wraps the model
+        compile_blocks(model)
     optimizer = make_optimizer(cfg, model.parameters())
     # --- ZERO: the engine partitions the model states as the config says, broadcasts rank 0's parameters,
     # and from here on does backward (loss scaling, gradient reduction), the optimizer step and zero_grad.
@@ -334,8 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
     # param group's lr.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
     # --- ZERO: this rank's slice of every global batch (same order as single, any world size) ---
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
-    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}")
+    micro_batches = train_loader(train_set, cfg, start_step, n_steps, rank, world_size, device=device)
+    log = StepLog(
+        record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}", device=device
+    )
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     compute_dtype = next(engine.module.parameters()).dtype  # --- ZERO: bf16/fp16 params under those
 
@@ -350,10 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)  # --- ZERO: of the whole batch, not this rank's
-            step_loss = torch.zeros((), device=device)
+            step_loss = None
             for micro_step in range(cfg.grad_accum):
-                x, y = next(micro_batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = next(micro_batches)  # on the device already, the next one on its way
                 if x.is_floating_point():  # --- ZERO: images in the parameters' dtype (bf16/fp16)
                     x = x.to(compute_dtype)
                 loss = loss_sum(engine(x), y) / scored
@@ -369,13 +375,12 @@ def main(argv: list[str] | None = None) -> dict:
                 # --- ZERO: a no-op but at the last micro-step: optimizer step on this rank's
                 # partition, then (stage 1/2) all-gather of the updated parameters; zero_grad.
                 engine.step()
-                step_loss += loss.detach()
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()  # (K=1: no add)
             # --- ZERO: no scaler, optimizer.step() or zero_grad() here: engine.step() did them
             if not engine.was_step_applied():  # --- ZERO: fp16's loss scaler found inf/nan, skipped it
                 record.add_skipped_step(step)
             scheduler.step()
-            synchronize(device)
-            log.step_done(step_loss, started)
+            log.step_done(step_loss, started)  # (no wait for the GPU: the step is timed by events)
             prof.step()
 
             due = cadence.after(step)

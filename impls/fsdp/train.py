@@ -54,7 +54,7 @@ from distref.distributed import (
     launch_ranks,
     start_process_group,
 )
-from distref.models import build_model
+from distref.models import build_model, plain_copy
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
 from distref.training.checkpoint import (
@@ -68,13 +68,13 @@ from distref.training.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
+from distref.training.compile import compile_blocks
 from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
     seed_everything,
     seed_step,
-    synchronize,
 )
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
@@ -91,12 +91,13 @@ VERSION = impl_version(__file__)
 class FSDPOptions:
     """FSDP's own options (cfg.strategy), each declared with its command-line option."""
 
-    reshard_after_forward: bool = option(
+    reshard_after_forward: bool | None = option(
         "free each block's gathered parameters after its forward and gather them again for its "
         "backward (ZeRO-3: least memory); --no-reshard-after-forward keeps them until backward (one "
-        "all-gather less per block and step, the whole parameters held between forward and backward)",
+        "all-gather less per block and step, the whole parameters held between forward and backward). "
+        "Default: on with 2+ shards, off with one (one rank holds every shard: nothing to free)",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
     )
     cpu_offload: bool = option(
         "keep parameter shards, gradients and the optimizer step on the CPU (CPUOffloadPolicy); "
@@ -132,6 +133,13 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+def reshards_after_forward(option: bool | None, mesh: DeviceMesh) -> bool:
+    """--[no-]reshard-after-forward, or by default: whether the shard group has 2+ ranks. With one, the
+    gathered parameters are a copy of the rank's shard, and freeing them after forward only makes
+    backward copy them again (both measured by `nox -s gpu-bench`)."""
+    return mesh["shard"].size() > 1 if option is None else option
 
 
 def apply_fsdp(
@@ -189,20 +197,26 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    # --- FSDP: a plain copy of the model, on the CPU, scores the gathered parameters (evaluation; copied
+    # before the model moves to the device: one build per process, and no second model on the GPU)
+    eval_model = plain_copy(model, lambda: build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)))
+    model = model.to(device)
     # --- FSDP: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:  # torch.compile, block by block, before any strategy wraps the model
+        compile_blocks(model)
     # --- FSDP: shard; every rank built the same parameters (same seed), so each keeps its own slice of
-    # them (no broadcast needed). A plain copy of the model scores the gathered parameters (evaluation):
-    # kept on the CPU between evaluations, where a whole model on every GPU would undo the sharding.
-    eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    # them (no broadcast needed). The evaluation's copy stays on the CPU between evaluations, where a
+    # whole model on every GPU would undo the sharding.
     options = cfg.strategy
+    reshard = reshards_after_forward(options.reshard_after_forward, mesh)
     model = apply_fsdp(
         model,
         mesh,
-        reshard_after_forward=options.reshard_after_forward,
+        reshard_after_forward=reshard,
         cpu_offload=options.cpu_offload,
         precision=cfg.precision,
         device=device,
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     )  # --- FSDP: every rank keeps the numbers, rank 0 writes them
     record.add_strategy_facts(  # --- FSDP: the mesh, and how the options shard
         mesh=dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
-        reshard_after_forward=options.reshard_after_forward,
+        reshard_after_forward=reshard,
         cpu_offload=options.cpu_offload,
     )
 
@@ -237,8 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
     # --- FSDP: this rank's slice of every global batch (same order as single, any world size) ---
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank, world_size))
-    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}")
+    micro_batches = train_loader(train_set, cfg, start_step, n_steps, rank, world_size, device=device)
+    log = StepLog(
+        record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{world_size}", device=device
+    )
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
@@ -252,10 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)  # --- FSDP: of the whole batch, not this rank's
-            step_loss = torch.zeros((), device=device)
+            step_loss = None
             for micro_step in range(cfg.grad_accum):
-                x, y = next(micro_batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = next(micro_batches)  # on the device already, the next one on its way
                 # --- FSDP: reduce-scatter gradients only in the last micro-step's backward; before
                 # it, each rank accumulates whole (unsharded) gradients locally, as DDP's no_sync(): fewer
                 # reduce-scatters, at the memory of a full set of gradients per rank meanwhile.
@@ -266,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # --- FSDP: and so do the ranks': the reduce-scatter sums them (apply_fsdp sets its divide
                 # factor to 1), where by default it would average them, dividing by the world size.
                 scaler.scale(loss).backward()
-                step_loss += loss.detach()
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()  # (K=1: no add)
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -276,8 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
             if state_bytes is None:  # --- FSDP: this rank's shards (DTensors' local parts)
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            log.step_done(step_loss, started)
+            log.step_done(step_loss, started)  # (no wait for the GPU: the step is timed by events)
             prof.step()
 
             due = cadence.after(step)
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         shards.size(),
         shards.get_local_rank(),  # this rank's place in its shard group
         replicas=cfg.strategy.hsdp,
-        reshard_after_forward=cfg.strategy.reshard_after_forward,
+        reshard_after_forward=reshard,
         dtype=param_dtype(cfg),
         gather_dtype=policy.param_dtype,
         reduce_dtype=policy.reduce_dtype,

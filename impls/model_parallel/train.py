@@ -65,6 +65,7 @@ from distref.training.checkpoint import (
     save_step_checkpoint,
     unwrap_state_dict,
 )
+from distref.training.compile import compile_blocks
 from distref.training.device import (
     autocast,
     configure_cpu_threads,
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, parts, part_names = apply_model_parallel(
         model, cuts, devices, parts_held=mine, activation_checkpointing=cfg.activation_checkpointing, say=say
     )
+    if cfg.compile:  # --- MODEL PARALLEL: this rank's blocks, each compiled on its part's device
+        compile_blocks(model)
     optimizer = make_optimizer(cfg, model.parameters())  # --- MODEL PARALLEL: this rank's parameters
     scaler = make_grad_scaler(cfg, device)
     n_steps = total_steps(cfg, len(train_set))
@@ -324,7 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
     # The lr is a function of the step: built after a resume, it continues where the run left off.
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
     # --- MODEL PARALLEL: every rank reads the same micro-batches (the first part uses x, the last y)
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps))
+    micro_batches = train_loader(
+        train_set, cfg, start_step, n_steps, device=devices[0], targets_device=device
+    )
     log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} ×{n_parts}")
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     last_rank = world_size - 1  # --- MODEL PARALLEL: the rank with the last part has the loss
@@ -340,13 +345,13 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)
-            step_loss = torch.zeros((), device=device)
+            step_loss = None
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
                 # --- MODEL PARALLEL: this micro-batch through every part and back, one part
                 # working at a time; micro-batches one after another (no overlap: that is pipelining).
                 loss = train_micro_batch(parts, x, y, links, cfg, scaler, scored)
-                step_loss += loss
+                step_loss = loss if step_loss is None else step_loss + loss
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -356,7 +361,9 @@ def main(argv: list[str] | None = None) -> dict:
             if state_bytes is None:
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
-            for part_device in devices:  # --- MODEL PARALLEL: --devices: every part's queue
+            # --- MODEL PARALLEL: every part's queue waited for, each step: its hand-off meter needs the
+            # step's time now (the host's clock), and the parts take turns anyway
+            for part_device in devices:
                 synchronize(part_device)
             links.meter.step_done(step, log.step_done(step_loss, started))  # --- MODEL PARALLEL: its time
             prof.step()

@@ -91,13 +91,13 @@ from distref.training.checkpoint import (
     save_sharded_checkpoint,
     unwrap_state_dict,
 )
+from distref.training.compile import compile_blocks
 from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
     seed_everything,
     seed_step,
-    synchronize,
 )
 from distref.training.measure import model_state_bytes
 from distref.training.monitor import profiler
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     core_keys = list(model.state_dict())  # the final state_dict keeps the core model's keys, in order
     bounds = part_bounds(cuts, len(list(model.children())))  # each stage's blocks (the cost's formulas)
     micro_batch = train_set.x[: cfg.global_batch_size // (dp * n_micro)]
-    meter = StageMeter(device)  # its stages' busy time (the bubble), activations held, a step's timeline
+    meter = StageMeter(device, activations=not cfg.compile)  # busy time (the bubble), activations, timeline
     pipeline = apply_pipeline(
         model,
         mesh,
@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
         cuts_given=options.partition is not None,
     )
     model = pipeline.model  # this rank's blocks
+    if cfg.compile:  # --- PIPELINE: the blocks of this rank's stages, each compiled
+        compile_blocks(model)
     optimizer = make_optimizer(cfg, model.parameters())  # --- PIPELINE: this rank's parameters
     # --- end PIPELINE ---
     scaler = make_grad_scaler(cfg, device)
@@ -384,8 +386,10 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
     # --- PIPELINE: each pipeline reads its 1/dp share of every global batch, whole (the schedule cuts
     # it into micro-batches); all stages of a pipeline read the same (the first uses x, the last y).
-    batches = iter(train_loader(train_set, cfg, start_step, n_steps, rank=mesh.dp_rank, world_size=dp))
-    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {options.schedule}")
+    batches = train_loader(train_set, cfg, start_step, n_steps, mesh.dp_rank, dp, device=device)
+    log = StepLog(
+        record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {options.schedule}", device=device
+    )
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
 
     record.start_training()  # start-up (imports, data, model, set-up) ends: the run's clock starts
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
                 micro_losses = pipeline.step(x, y, scored)  # (on the last stage's rank; none elsewhere)
             if dp > 1:  # the pipelines' gradients summed, the first one's BatchNorm statistics
                 sync_pipelines(model, mesh.dp_group)
-            step_loss = torch.zeros((), device=device)
+            step_loss = torch.zeros((), device=device)  # --- PIPELINE: zero on ranks without the last stage
             for micro_loss in micro_losses:  # --- PIPELINE: summed as single --grad-accum M sums
                 step_loss += micro_loss.detach()
             # --- end PIPELINE ---
@@ -419,8 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
             if state_bytes is None:
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            log.step_done(step_loss, started)
+            log.step_done(step_loss, started)  # (no wait for the GPU: the step is timed by events)
             prof.step()
 
             due = cadence.after(step)

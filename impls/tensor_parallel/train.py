@@ -53,7 +53,7 @@ from distref.distributed import (
     launch_ranks,
     start_process_group,
 )
-from distref.models import build_model
+from distref.models import build_model, plain_copy
 from distref.record import RunRecord, print_summary
 from distref.training.bookkeeping import Cadence, StepLog
 from distref.training.checkpoint import (
@@ -67,13 +67,13 @@ from distref.training.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
+from distref.training.compile import compile_blocks
 from distref.training.device import (
     autocast,
     configure_cpu_threads,
     param_dtype,
     seed_everything,
     seed_step,
-    synchronize,
 )
 from distref.training.measure import local_part, model_state_bytes, record_held_shapes
 from distref.training.monitor import profiler
@@ -225,16 +225,21 @@ def parallelize(
     sequence_parallel: bool,
     loss_parallel: bool,
     streams: RandomStreams | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Split every layer over the tensor-parallel group, then, on a 2-D mesh, shard the slices over the
     data-parallel groups (torchtitan's `parallelize_*`: apply_tp, then apply_fsdp). A model of yours
-    draws its split regions' random numbers from `streams` (this project's models draw none)."""
+    draws its split regions' random numbers from `streams` (this project's models draw none). `compile`:
+    each block compiled between the two (torchtitan's order): graphs of the split layers' DTensors, with
+    FSDP's hooks outside them."""
     if hasattr(model, "tp_plan"):
         if streams is not None:
             streams.attach(model, model.tp_plan)
         model = apply_own_plan(model, mesh["tp"])
     else:
         model = apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if compile:
+        compile_blocks(model)
     if mesh["dp_shard"].size() > 1:
         model = apply_fsdp(model, mesh["dp_shard"])
     return model
@@ -261,22 +266,26 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    # --- TP: a plain copy of the model, on the CPU, scores the gathered parameters (evaluation; copied
+    # before the model moves to the device: one build per process, and no second model on the GPU)
+    eval_model = plain_copy(model, lambda: build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)))
+    model = model.to(device)
     # --- TP: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- TP: split every layer over the tensor-parallel group, then shard over the data-parallel groups
-    # (every rank built the same parameters, same seed: each keeps its slice). A plain copy of the model
-    # scores the gathered parameters (evaluation), kept on the CPU between evaluations (evaluate_gathered).
-    eval_model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
-    eval_model.load_state_dict(model.state_dict())  # (the same parameters, for tp_split_problem)
+    # (every rank built the same parameters, same seed: each keeps its slice). The evaluation's copy stays
+    # on the CPU between evaluations (evaluate_gathered).
     sp, lp = cfg.strategy.sequence_parallel, cfg.strategy.loss_parallel
     # dropout's streams: one per data-parallel group outside the split layers (per rank under sequence
     # parallelism, where each rank holds other tokens), one per rank inside them (RandomStreams)
     tp_rank = mesh["tp"].get_local_rank()
     streams = RandomStreams(dp_rank * tp + tp_rank if sp else dp_rank, tp_rank, device)
-    model = parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp, streams=streams)
+    model = parallelize(
+        model, mesh, sequence_parallel=sp, loss_parallel=lp, streams=streams, compile=cfg.compile
+    )
     # A plan of yours, checked once: does the split model compute what the whole one does?
     if problem := tp_split_problem(model, eval_model, train_set.x[:4], device, cfg.model):
         fail(problem, f"{IMPL}/train.py") if is_main else exit_after_rank_0_spoke(2)
@@ -310,8 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = make_lr_schedule(cfg, optimizer, n_steps, start_step)
     # --- TP: the data-parallel group's slice of every global batch; the T ranks of a tensor-parallel
     # group read the same one (same order as single, any mesh).
-    micro_batches = iter(train_loader(train_set, cfg, start_step, n_steps, dp_rank, dp))
-    log = StepLog(record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {dp}×{tp}")
+    micro_batches = train_loader(train_set, cfg, start_step, n_steps, dp_rank, dp, device=device)
+    log = StepLog(
+        record, cfg, IMPL, cadence, start_step, show=is_main, desc=f"{IMPL} {dp}×{tp}", device=device
+    )
     state_bytes = None  # model-state bytes, measured once gradients and optimizer state both exist
     # --- TP: the cross-entropy on vocabulary-split logits, and its backward, run inside this context
     parallel_loss = loss_parallel if lp else contextlib.nullcontext
@@ -327,10 +338,9 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)  # --- TP: of the whole batch, not the group's
-            step_loss = torch.zeros((), device=device)
+            step_loss = None
             for micro_step in range(cfg.grad_accum):
-                x, y = next(micro_batches)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = next(micro_batches)  # on the device already, the next one on its way
                 if dp > 1:  # --- TP: reduce-scatter over the groups at the last micro-step only
                     model.set_requires_gradient_sync(micro_step == cfg.grad_accum - 1)
                 with parallel_loss():  # --- TP: (the sum over vocabulary-split logits)
@@ -340,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
                     # --- TP: and so do the groups': FSDP's reduce-scatter over them sums (apply_fsdp sets
                     # its divide factor to 1), where by default it would average, ÷ the groups.
                     scaler.scale(loss).backward()
-                step_loss += local_part(loss).detach()
+                loss = local_part(loss).detach()  # --- TP: (a replicated DTensor under loss parallelism)
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()  # (K=1: no add)
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()
@@ -350,8 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             if state_bytes is None:  # --- TP: this rank's slices (DTensors' local parts)
                 state_bytes = model_state_bytes(model.parameters(), optimizer)
             optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            log.step_done(step_loss, started)
+            log.step_done(step_loss, started)  # (no wait for the GPU: the step is timed by events)
             prof.step()
 
             due = cadence.after(step)

@@ -83,8 +83,9 @@ def build_parser(
         metavar="{" + ",".join(MODELS) + "} or MODULE:FUNCTION",
         type=choice_or_factory("--model", MODELS),
         default="lenet",
-        help="an ordered list of named blocks (distref.models), or a function of yours returning an "
-        "nn.Module (docs/own-project.md)",
+        help="an ordered list of named blocks (distref.models; gpt2: GPT-2 small's shape, 12 × 768, 1024 "
+        "tokens, to measure speed on a GPU), or a function of yours returning an nn.Module "
+        "(docs/own-project.md)",
     )
     p(
         "--gpt-layers",
@@ -147,6 +148,12 @@ def build_parser(
         action="store_true",
         help="recompute each block's activations in backward (less memory, more compute)",
     )
+    p(
+        "--compile",
+        action="store_true",
+        help="torch.compile each block (as torchtitan does, before the strategy wraps it); where the "
+        "strategy does not compose with it, the impl says so",
+    )
     p("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
     p(
         "--eval-every",
@@ -182,6 +189,13 @@ def build_parser(
     )
     p("--profile", action="store_true", help="torch.profiler trace of a few steps under --out/profile")
     p("--tensorboard", action="store_true", help="TensorBoard scalars under --out/tensorboard")
+    p(
+        "--step-timing",
+        choices=("events", "sync"),
+        default="events",
+        help="how each step is timed on CUDA: events recorded on the stream, read when the losses are "
+        "logged (no wait per step); sync: wait for the GPU after every step (diagnostic: the host's view)",
+    )
     p("--num-workers", metavar="N", type=non_negative_int, default=0, help="DataLoader worker processes")
     p(
         "--log-every",

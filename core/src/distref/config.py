@@ -21,7 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-MODELS = ("lenet", "resnet18", "gpt")
+MODELS = ("lenet", "resnet18", "gpt", "gpt2")
+GPT_MODELS = ("gpt", "gpt2")  # the decoder-only transformers: the tiny one, and GPT-2 small's shape
+GPT2_VOCABULARY = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64, as nanoGPT does: faster matmuls
+GPT2_CONTEXT = 1024
+# Where every impl steps AdamW with torch's fused kernel (distref.training.optim). Not the CPU: there its
+# vectorised body and scalar tail round alike elements differently, so a shard of a tensor (FSDP, ZeRO)
+# would get other bits than the whole tensor (fsdp ×2 vs single --grad-accum 2: 2.3e-8, not 0).
+FUSED_ADAMW_DEVICES = ("cuda",)
 
 
 DATASETS = ("mnist", "fashion-mnist", "cifar10", "digits", "text", "synthetic", "masked")
@@ -33,6 +40,7 @@ MODEL_DATASETS = {
     "lenet": ("mnist", "fashion-mnist", "digits", "synthetic"),
     "resnet18": ("mnist", "fashion-mnist", "cifar10", "digits", "synthetic"),
     "gpt": ("text", "synthetic", "masked"),
+    "gpt2": ("text", "synthetic"),
 }
 
 
@@ -117,6 +125,7 @@ class RunConfig:
     precision: str = "fp32"
     grad_accum: int = 1
     activation_checkpointing: bool = False
+    compile: bool = False
     device: str = "auto"
     eval_every: int = 0
     target_accuracy: float | None = None
@@ -128,6 +137,7 @@ class RunConfig:
     timeout: float = 600.0
     profile: bool = False
     tensorboard: bool = False
+    step_timing: str = "events"
     num_workers: int = 0
     log_every: int = 10
     strategy: Any = None

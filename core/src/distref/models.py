@@ -13,13 +13,20 @@ import dataclasses
 import functools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from distref.config import FactoryError, first_line, is_factory, load_factory
+from distref.config import (
+    GPT_MODELS,
+    FactoryError,
+    first_line,
+    is_factory,
+    load_factory,
+)
 from distref.data.tensors import DatasetInfo
 
 
@@ -175,6 +182,16 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
+def gpt_config(name: str, info: DatasetInfo, gpt_layers: int = 2) -> GPTConfig:
+    """The shape of --model gpt (4 heads × 16, `gpt_layers` blocks: small enough for CPU tests) or of
+    --model gpt2 (GPT-2 small's: 12 blocks of 12 heads × 64, a 1024-token context; the head is not tied
+    to the embedding, so it has 163M parameters where GPT-2 has 124M). Either reads its vocabulary and
+    context from the data (`info`)."""
+    if name == "gpt2":
+        return GPTConfig(info.num_classes, info.input_shape[0], n_layer=12, n_head=12, n_embd=768)
+    return GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=gpt_layers)
+
+
 def gpt(cfg: GPTConfig) -> BlockModel:
     """A small decoder-only transformer (nanoGPT's shape: pre-LN blocks, GELU MLP, no dropout)."""
     blocks: OrderedDict[str, nn.Module] = OrderedDict(embed=Embedding(cfg))
@@ -193,6 +210,19 @@ def gpt(cfg: GPTConfig) -> BlockModel:
         elif name.endswith("bias"):
             nn.init.zeros_(p)
     return model
+
+
+def plain_copy(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
+    """A copy of `model`, its parameters and buffers, as a second model built by `build` would be once
+    loaded with them, without building one (a copy is faster than initialising, and keeps what the
+    state_dict does not hold). A model that deepcopy refuses (a non-leaf tensor held as an attribute, as
+    nn.utils.weight_norm keeps) is built again and loaded instead."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError:
+        built = build()
+        built.load_state_dict(model.state_dict())
+        return built
 
 
 def parameter_dtype(precision: str) -> torch.dtype:
@@ -250,8 +280,8 @@ def _build_model(name: str, info: DatasetInfo, gpt_layers: int) -> BlockModel:
         return lenet(info.num_classes)
     if name == "resnet18":
         return resnet18(info.num_classes, in_channels=info.input_shape[0])
-    if name == "gpt":
+    if name in GPT_MODELS:
         if info.kind != "sequence":
-            raise ValueError(f"gpt takes token sequences, {info.name} holds images")
-        return gpt(GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=gpt_layers))
+            raise ValueError(f"{name} takes token sequences, {info.name} holds images")
+        return gpt(gpt_config(name, info, gpt_layers))
     raise ValueError(f"unknown model {name}")

@@ -336,6 +336,8 @@ class RunRecord:
         self.data["model_state_bytes"] = [s for s in model_state_per_rank or [] if s is not None]
         self._set_predicted(predicted_per_rank or [])
         self._counting_overhead()
+        if self.data["config"].get("compile"):  # (that --compile took effect: the graphs dynamo made here)
+            self.data["strategy"]["compiled_graphs"] = compiled_graphs()
         self.data["status"] = "completed"
         self.write()
 
@@ -456,3 +458,10 @@ def print_summary(data: dict[str, Any], file=None) -> None:
         reached = f"at {ttt:.1f}s" if ttt is not None else "not reached"
         parts.append(f"target {data['target_accuracy']} {reached}")
     print(" | ".join(parts), file=file or sys.stdout)
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has made in this process so far (dynamo's own count)."""
+    from torch._dynamo.utils import counters  # (local: importing dynamo costs ~1 s, only --compile pays)
+
+    return int(counters["stats"]["unique_graphs"])

@@ -472,10 +472,11 @@ def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
     device = device_of(tensors)
     options = cfg.strategy
     mesh = module.make_mesh(world_size, options.hsdp, device)
+    reshard = module.reshards_after_forward(options.reshard_after_forward, mesh)
     model = module.apply_fsdp(
         build(shape, tensors, cfg),
         mesh,
-        reshard_after_forward=options.reshard_after_forward,
+        reshard_after_forward=reshard,
         cpu_offload=options.cpu_offload,
         precision=cfg.precision,
         device=device,
@@ -491,7 +492,7 @@ def run_fsdp(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
         shards.size(),
         shards.get_local_rank(),
         replicas=options.hsdp,
-        reshard_after_forward=options.reshard_after_forward,
+        reshard_after_forward=reshard,
         dtype=param_dtype(cfg),
         gather_dtype=policy.param_dtype,
         reduce_dtype=policy.reduce_dtype,

@@ -31,14 +31,22 @@ import logging
 import torch
 from torch import nn
 
-from distref.config import FactoryError, RunConfig, first_line, is_factory
+from distref.config import GPT_MODELS, FactoryError, RunConfig, first_line, is_factory
 from distref.data import DataError, sample_batch
+from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.distributed.partition import block_sizes, choose_cut_points, named_block_sizes
-from distref.models import BlockModel, GPTConfig, build_model, own_model
+from distref.models import BlockModel, build_model, gpt_config, own_model
 from distref.training.measure import local_part
 from distref.training.steps import loss_sum
 
 PLAN_STYLES = ("colwise", "rowwise")  # what a tp_plan may name (impls/tensor_parallel: STYLES)
+
+
+def on_meta(build):
+    """What `build()` returns, built on the meta device (shapes, no memory, no initialisation), the
+    random generators left as they were."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return build()
 
 
 def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
@@ -50,21 +58,34 @@ def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
     (`cut_problem`)."""
     try:
         x, y, info = sample_batch(cfg)
-        model = build_model(cfg.model, info, cfg.gpt_layers)
-    except (DataError, FactoryError, ValueError) as exc:
+    except (DataError, FactoryError) as exc:
         return str(exc)
     on = f"--model {cfg.model} on --dataset {cfg.dataset}"
+    # On the meta device first: shapes and dtypes, no parameter initialised and nothing computed (a GPT-2
+    # small took ~20 s per rank on a CPU). A model that needs values to be built or run (.item(), a
+    # copy to the CPU, data-dependent shapes) fails there: then it is built and run for real, where its
+    # errors are what is said, and the loss must be finite.
     try:
+        model = on_meta(lambda: build_model(cfg.model, info, cfg.gpt_layers))
         with torch.no_grad():
-            logits = model.eval()(x)
-            loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
-    except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
-        return (
-            f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
-            f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line(exc)}"
-        )
-    if not torch.isfinite(loss):
-        return f"{on}: the loss of a first batch is {loss.item()}"
+            logits = model.eval()(x.to("meta"))
+            loss_sum(logits, y.to("meta"))  # (as training takes it)
+    except Exception:  # (your code on meta tensors: tried for real below, where its error counts)
+        try:
+            model = build_model(cfg.model, info, cfg.gpt_layers)
+        except (FactoryError, ValueError) as exc:
+            return str(exc)
+        try:
+            with torch.no_grad():
+                logits = model.eval()(x)
+                loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
+        except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
+            return (
+                f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
+                f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line(exc)}"
+            )
+        if not torch.isfinite(loss):
+            return f"{on}: the loss of a first batch is {loss.item()}"
     if logits.shape[-1] < info.num_classes:  # (the first batch may not hold the largest target)
         return (
             f"{on}: the targets go up to {info.num_classes - 1}, but the model gives {logits.shape[-1]} "
@@ -98,7 +119,7 @@ def own_model_tied_across_blocks(name: str) -> str | None:
     if not is_factory(name):
         return None
     try:
-        return tied_across_blocks(own_model(name))
+        return tied_across_blocks(on_meta(lambda: own_model(name)))
     except FactoryError:
         return None  # (said by validate)
 
@@ -198,21 +219,24 @@ def tp_model_problem(
     ways, or a model of yours carrying a plan (`apply_own_plan`) naming its linear layers, each
     splittable `tp` ways (sequence and loss parallelism are gpt's). None if it splits."""
     if not is_factory(model_name):
-        gpt = GPTConfig(vocab_size=1, block_size=1)  # the shape --model gpt has
-        if model_name != "gpt":
+        if model_name not in GPT_MODELS:
             return (
                 f"--model {model_name}: tensor parallelism here splits gpt's attention heads and MLP, or a "
-                "model of yours by its tp_plan; use --model gpt or MODULE:FUNCTION"
+                "model of yours by its tp_plan; use --model gpt, gpt2 or MODULE:FUNCTION"
             )
+        gpt = gpt_config(model_name, PROJECT_DATASETS[model_name])  # (heads and width: not the data's)
         if gpt.n_head % tp or (4 * gpt.n_embd) % tp:
-            return f"--tp {tp} must divide gpt's {gpt.n_head} attention heads and its MLP's {4 * gpt.n_embd} units"
+            return (
+                f"--tp {tp} must divide {model_name}'s {gpt.n_head} attention heads and its MLP's "
+                f"{4 * gpt.n_embd} units"
+            )
         return None
     if sequence_parallel or loss_parallel:
         return (
             "--sequence-parallel and --loss-parallel split gpt's layer norms and vocabulary, not a model "
             "of yours"
         )
-    model = build_model(model_name, None)  # (validate built it already: it builds)
+    model = on_meta(lambda: build_model(model_name, None))  # (validate built it already: it builds)
     if tied := tied_across_blocks(model):  # a split parameter and its unsplit twin would drift apart
         return f"--model {model_name}: {tied}; tensor parallelism here splits layers of their own"
     plan = getattr(model, "tp_plan", None)

@@ -394,9 +394,9 @@ COST_CASES = {
     # One rank: nothing gathered, so stage 3 beyond one prefetch bucket has its formula (5 reduce buckets)
     "stage3-lenet-w1-small-buckets": (3, 1, ["--model", "lenet", "--bucket-mb", "0.005"]),
     # bf16 (stages 1-3): bf16 buffers, gradients and collectives, fp32 masters and optimizer states;
-    # stages 1/2 all-reduce a 1-byte overflow flag besides the fp32 norm (zero_bf16_communication)
+    # stages 1/2 all-reduce neither an overflow flag nor a norm: the config turns both off (as in fp32)
     "stage1-lenet-w3-bf16-small-buckets": (1, 3, ["--model", "lenet", *BF16, "--bucket-mb", "0.005"]),
-    "stage1-lenet-w1-bf16": (1, 1, ["--model", "lenet", *BF16]),  # the flag all-reduced on one rank too
+    "stage1-lenet-w1-bf16": (1, 1, ["--model", "lenet", *BF16]),  # (a flag would be all-reduced here too)
     "stage2-gpt-w2-bf16-accum2": (2, 2, ["--model", "gpt", *BF16, "--grad-accum", "2"]),
     "stage2-gpt-w3-bf16-sgd-padded": (2, 3, ["--model", "gpt", *BF16, "--optimizer", "sgd"]),
     "stage3-gpt-w3-bf16-padded": (3, 3, ["--model", "gpt", *BF16]),
@@ -460,3 +460,24 @@ def test_parity_with_single_on_your_model(tmp_path):
     Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
     -k your_model"""
     check_parity_on_your_model(lambda args: run_zero(2, args), tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_config_leaves_out_work_nothing_uses_where_deepspeed_takes_it(stage, world):
+    """No overlap_comm on one rank (nothing to overlap: stream syncs and a second bucket buffer only); no
+    gradient norm at stages 1/2 without optimizer offload (clipping is off; test_cost_equals_the_formulas:
+    no norm all-reduced or kept); no bf16 overflow check (single's bf16 never skips a step; there: no flag
+    all-reduced). DeepSpeed's own ZeRO config takes each (it refuses compute_grad_norm false at stages 0, 3)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = load_train_module(IMPL)
+    precision = ["--precision", "bf16"] if stage else []  # (stage 0 in bf16 is refused)
+    for offload in ([], ["--offload-optimizer"]) if stage else ([],):  # (stage 0 has nothing to offload)
+        argv = [*SYNTHETIC, *precision, "--zero-stage", str(stage), *offload]
+        config = zero.deepspeed_config(zero.parse_options(argv, world), world)
+        settings = config["zero_optimization"]
+        DeepSpeedZeroConfig(**settings)  # (pydantic's ValidationError where DeepSpeed refuses one)
+        assert settings["overlap_comm"] == (stage >= 2 and world > 1)
+        assert settings.get("compute_grad_norm", True) == (stage not in (1, 2) or bool(offload))
+        assert config["bf16"]["check_grad_overflow"] is False

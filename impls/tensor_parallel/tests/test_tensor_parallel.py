@@ -226,7 +226,7 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
             ["--model", "lenet"],
             2,
             "--model lenet: tensor parallelism here splits gpt's attention heads and MLP, or a model of yours "
-            "by its tp_plan; use --model gpt or MODULE:FUNCTION",
+            "by its tp_plan; use --model gpt, gpt2 or MODULE:FUNCTION",
         ),
         ([*GPT, "--tp", "3"], 4, "--tp 3 must divide the 4 ranks"),
         ([*GPT, "--dp-shard", "3"], 4, "--dp-shard 3 must divide the 4 ranks"),
@@ -264,7 +264,7 @@ def test_plain_python_refuses_bad_input_before_starting_any_rank():
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1:] == [
         "tensor_parallel/train.py: error: --model lenet: tensor parallelism here splits gpt's attention "
-        "heads and MLP, or a model of yours by its tp_plan; use --model gpt or MODULE:FUNCTION"
+        "heads and MLP, or a model of yours by its tp_plan; use --model gpt, gpt2 or MODULE:FUNCTION"
     ]
     assert "Traceback" not in result.stderr and "starting" not in result.stdout
 

@@ -49,9 +49,9 @@ import dataclasses
 from collections.abc import Sequence
 from fractions import Fraction
 
-from distref.config import RunConfig
+from distref.config import GPT_MODELS, RunConfig
 from distref.cost.attention import attention_saves, sdpa_kernel
-from distref.models import GPTConfig
+from distref.models import gpt_config
 
 INDEX_BYTES = 8  # int64 indices, token ids and targets
 LOW_BYTES = {"bf16": 2, "fp16": 2}  # autocast's 16-bit dtypes
@@ -297,8 +297,8 @@ def model_blocks(
     if model == "resnet18":
         blocks = resnet18_blocks(info.input_shape, sv, checkpointed, classes)
         return blocks, Loss(acc * classes + INDEX_BYTES, acc)
-    if model == "gpt":
-        shape = gpt_shape(info, gpt_layers)
+    if model in GPT_MODELS:
+        shape = gpt_shape(info, gpt_layers, model)
         s = shape.pop("seq")
         loss = Loss(acc * s * classes + INDEX_BYTES * s, acc)
         return gpt_blocks(seq=s, **shape, sv=sv, checkpointed=checkpointed), loss
@@ -348,9 +348,9 @@ def megatron_layer_activation_bytes(
     return int(total) if total.denominator == 1 else float(total)
 
 
-def gpt_shape(info, gpt_layers: int) -> dict:
-    """seq, hidden, heads, layers, vocab of the gpt distref.models builds for a dataset."""
-    config = GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=gpt_layers)
+def gpt_shape(info, gpt_layers: int, model: str = "gpt") -> dict:
+    """seq, hidden, heads, layers, vocab of the gpt (or gpt2) distref.models builds for a dataset."""
+    config = gpt_config(model, info, gpt_layers)
     return {
         "seq": config.block_size,
         "hidden": config.n_embd,
@@ -360,7 +360,7 @@ def gpt_shape(info, gpt_layers: int) -> dict:
     }
 
 
-MODELS_WITH_FORMULA = ("lenet", "resnet18", "gpt")
+MODELS_WITH_FORMULA = ("lenet", "resnet18", *GPT_MODELS)
 
 
 def no_formula(model: str, precision: str = "fp32", device: str = "cpu") -> str | None:
@@ -394,8 +394,8 @@ def formula_for(
     if no_formula(model, precision, device) is not None:
         return None
     attention = None
-    if model == "gpt":  # (the kernel torch picks depends on the heads' size)
-        shape = gpt_shape(info, gpt_layers)
+    if model in GPT_MODELS:  # (the kernel torch picks depends on the heads' size)
+        shape = gpt_shape(info, gpt_layers, model)
         head_size, heads, seq = shape["hidden"] // shape["heads"], shape["heads"], shape["seq"]
         attention = sdpa_kernel(device, precision, head_size, heads, seq)
     return model_blocks(

@@ -29,11 +29,12 @@ issues, counted at the dispatcher):
     all-gathered: DTensor pads a rank's ⌈V/T⌉ columns (V = 11, T = 2: 12 columns), so b·s·⌈V/T⌉·T elements.
   - with sequence parallelism the layer norms' parameters are replicated but see 1/T of the tokens: their
     gradients are partial sums (DTensor's Partial). On a 1-D mesh the optimizer's arithmetic reduces them
-    each time it reads one: AdamW reads the gradient three times per parameter (exp_avg.lerp_(grad),
-    exp_avg_sq.addcmul_(grad, grad)), SGD once (the momentum buffer is itself a partial sum, reduced when
-    added to the parameter; with weight decay grad.add(param) reduces it instead). On the 2-D mesh FSDP2
-    reduces each once before its reduce-scatter. 2·(2L + 1) such parameters of h elements (ln1, ln2 per
-    block, the head's ln).
+    each time it reads one: AdamW three times per parameter on the CPU (foreach's exp_avg.lerp_(grad),
+    exp_avg_sq.addcmul_(grad, grad)), once on CUDA (the fused kernel: distref.training.optim), SGD once
+    (the momentum buffer is itself a partial sum, reduced when added to the parameter; with weight decay
+    grad.add(param) reduces it instead). On the 2-D mesh FSDP2 reduces
+    each once before its reduce-scatter. 2·(2L + 1) such parameters of h elements (ln1, ln2 per block,
+    the head's ln).
   - FSDP2 over the D data-parallel groups (`--dp-shard D`) communicates as distref.cost.sharded.fsdp says,
     each rank's units being its tensor-parallel slices (embed, each block, head; every one resharded after
     forward), padded to a multiple of D on dim 0.
@@ -78,7 +79,7 @@ from collections.abc import Sequence
 
 import torch
 
-from distref.config import RunConfig, is_factory
+from distref.config import FUSED_ADAMW_DEVICES, GPT_MODELS, RunConfig, is_factory
 from distref.cost import Predicted
 from distref.cost.activations import no_formula, saving_for
 from distref.cost.attention import sdpa_kernel
@@ -88,7 +89,7 @@ from distref.cost.sharded import fsdp, fsdp_model_states, rows_held
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
 from distref.cost.usage import model_usage
 from distref.data.tensors import DatasetInfo
-from distref.models import GPTConfig, build_model, parameter_dtype
+from distref.models import GPTConfig, build_model, gpt_config, parameter_dtype
 
 Shape = tuple[int, ...]
 
@@ -183,10 +184,12 @@ def tensor_parallel(
     element_bytes: int = 4,
     compute_element_bytes: int | None = None,
     activation_checkpointing: bool = False,
+    device: str = "cpu",
 ) -> Counts:
     """One optimizer step of impls/tensor_parallel on one rank (the module docstring's formula):
     `micro_batch` sequences per micro-step on each data-parallel group, `element_bytes` a parameter's,
-    `compute_element_bytes` a linear layer's output's (2 under bf16 autocast; default: element_bytes)."""
+    `compute_element_bytes` a linear layer's output's (2 under bf16 autocast; default: element_bytes),
+    on `device` (AdamW is fused on FUSED_ADAMW_DEVICES, foreach elsewhere)."""
     b, s, h, L, A = micro_batch, sequence, hidden, layers, grad_accum
     w = element_bytes
     c = w if compute_element_bytes is None else compute_element_bytes
@@ -208,7 +211,8 @@ def tensor_parallel(
             )
             # the layer norms' partial gradients, reduced by the optimizer's reads or by FSDP2, once
             partials = 2 * (2 * L + 1)
-            reads = 1 if dp_shard > 1 or optimizer == "sgd" else 3
+            fused = optimizer == "adamw" and device in FUSED_ADAMW_DEVICES
+            reads = 1 if dp_shard > 1 or optimizer == "sgd" or fused else 3
             add(tp_part, "all_reduce", reads * partials * h * w, tp, calls=reads * partials)
         else:
             # per block two sums of partial products (forward, c) and two of input gradients (backward, w),
@@ -365,6 +369,7 @@ def tensor_parallel_cost(
         element_bytes=element_bytes,
         compute_element_bytes=2 if precision == "bf16" else element_bytes,  # the linear layers' outputs
         activation_checkpointing=activation_checkpointing,
+        device=device,
     )
     model_states = tensor_parallel_model_states(
         **shape,
@@ -464,10 +469,11 @@ def tensor_parallel_run_cost(
     """`tensor_parallel_cost` of rank (`dp_rank`, `tp_rank`) in the run `cfg` (its core options: the model,
     batch, micro-steps, optimizer, precision), each data-parallel group on its share of the global batch,
     on `device` ("cpu" or "cuda")."""
+    shape = gpt_config(cfg.model, info, cfg.gpt_layers) if cfg.model in GPT_MODELS else None
     return tensor_parallel_cost(
         cfg.model,
         info,
-        layers=cfg.gpt_layers,
+        layers=shape.n_layer if shape else cfg.gpt_layers,
         tp=tp,
         tp_rank=tp_rank,
         dp_shard=dp_shard,
@@ -483,4 +489,5 @@ def tensor_parallel_run_cost(
         step_bytes=torch.get_default_dtype().itemsize,
         activation_checkpointing=cfg.activation_checkpointing,
         device=device,
+        **({"hidden": shape.n_embd, "heads": shape.n_head} if shape else {}),
     )

@@ -6,7 +6,8 @@ P_os+g+p). The paper's communication per step: stages 1 and 2 move 2Ψ per rank,
 gradients and an all-gather of the updated parameters (§7.2.1); stage 3 3Ψ, the parameters all-gathered
 in forward and again in backward (§7.2.2). DeepSpeed 0.19, with this project's config (fp32, no
 offload; reduce_bucket_size = allgather_bucket_size = stage3_prefetch_bucket_size = B elements,
-contiguous_gradients, overlap_comm from stage 2, stage3_param_persistence_threshold 0, gradient_clipping 0),
+contiguous_gradients, overlap_comm from stage 2 on several ranks, compute_grad_norm false at stages 1/2,
+stage3_param_persistence_threshold 0, gradient_clipping 0, bf16's check_grad_overflow false),
 differs from that in ways counted here, per rank and optimizer step, for Ψ parameters n_1 … n_k of b bytes:
 
 Stage 0 (runtime/engine.py, buffered_allreduce_fallback) is DDP: a replica on every rank, the gradients
@@ -23,13 +24,15 @@ reduce-scatter (average_tensor with use_multi_rank_bucket_allreduce, on by defau
 rank receives every gradient and keeps its partition's — in pieces where a gradient larger than B
 straddles partitions: each gradient is cut where a partition starts, and an all-reduce is issued as soon
 as the pieces it gathers exceed B (allreduce_and_scatter), so such a gradient costs one call per partition
-it touches (`bucket_all_reduces`; the bytes are the same). step() all-reduces the partition's gradient norm
-(one fp32 scalar, computed although clipping is off: scaled_global_norm) and all-gathers the updated
-flat parameters, one call for the whole buffer (all_gather_into_tensor; allgather_bucket_size then plays
-no part, runtime/utils.py all_gather_dp_groups):
+it touches (`bucket_all_reduces`; the bytes are the same). step() all-gathers the updated flat parameters,
+one call for the whole buffer (all_gather_into_tensor; allgather_bucket_size then plays no part,
+runtime/utils.py all_gather_dp_groups). It all-reduces no gradient norm: the config's compute_grad_norm
+false (clipping is off, nothing reads it) skips scaled_global_norm's fp32 all-reduce and the kept norm
+(zero/stage_1_and_2.py:3022-3039; DeepSpeed allows it at stages 1/2 only, zero/config.py:390-393, without
+optimizer offload, :216-218, and not in BF16_Optimizer, engine.py:2305-2309):
 
-    all_reduce: calls = K'·pieces(n, B) + 1,  bytes = K'·Ψ·b + 4     (K' = 1 at stage 1, K at stage 2)
-    all_gather: calls = 1,                    bytes = Ψ'·b              (none on one rank)
+    all_reduce: calls = K'·pieces(n, B),  bytes = K'·Ψ·b     (K' = 1 at stage 1, K at stage 2)
+    all_gather: calls = 1,                bytes = Ψ'·b          (none on one rank)
 
 Stage 3 (runtime/zero/stage3.py, partition_parameters.py). Each parameter is padded on its own to a
 multiple of N: n'_i = ⌈n_i / N⌉·N, Ψ' = Σ n'_i. While Ψ ≤ B the first forward fetch prefetches every
@@ -49,14 +52,16 @@ Model states of rank r (what distref.training.measure.zero_model_state_bytes cou
 P (stages 1, 2) or Ψ'/N (stage 3) elements that DeepSpeed keeps even in fp32:
 
     stage 1, 2  parameters = Ψ'·b (the whole flat buffer)
-                gradients  = b·Σ{n_i : parameter i overlaps [rP, (r+1)P)} + b·(padding in that range) + 4
+                gradients  = b·Σ{n_i : parameter i overlaps [rP, (r+1)P)} + b·(padding in that range)
                 optimizer  = P·b (master) + 2P·b + s (AdamW) or P·b (SGD)
     stage 3     parameters = Ψ'/N·b,  gradients = Ψ'/N·b + 8,  optimizer as above with P = Ψ'/N
     stage 0     parameters = gradients = Ψ·b, optimizer as torch's (memory.replicated)
 
 The stage 1/2 gradients are not the paper's Ψ/N: the contiguous partition buffer (copy_grads_in_partition)
-holds the WHOLE gradient of every parameter that overlaps the partition, so ranks differ; the +4 and +8 are
-the kept global gradient norm (fp32 at stages 1/2, fp64 at stage 3).
+holds the WHOLE gradient of every parameter that overlaps the partition, so ranks differ; stage 3's +8 is
+the kept global gradient norm (fp64; stages 1/2 compute none). overlap_comm's second reduce bucket buffer
+(stage_1_and_2.py:3272-3277, from stage 2 on several ranks) is released after backward
+(_release_ipg_buffers, :1061): no state between steps, not counted.
 
 Frozen and unused parameters (`uses`: distref.cost.usage). Stages 1/2 flatten and partition only the
 trainable (requires_grad) parameters — Ψ above counts those; a frozen one stays whole on every rank
@@ -71,8 +76,9 @@ bf16 (stages 1-3; the impl refuses stage 0, which DeepSpeed runs without fp32 ma
 (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, not BF16_Optimizer), the same buckets and padding,
 with b = 2 for everything kept and sent in the model's dtype — the flat buffer or stage-3 partitions, the
 gradients, the reduced and gathered tensors — while the master partition and the optimizer's states stay
-fp32 (m = 4), and stages 1/2 add one all-reduce of a 1-byte overflow flag (`zero_bf16_model_states`,
-`zero_bf16_communication`: their docstrings give the formulas and DeepSpeed's lines).
+fp32 (m = 4). No overflow check: the config's bf16.check_grad_overflow false leaves out the 1-byte flag's
+all-reduce stages 1/2 would add (`zero_bf16_model_states`, `zero_bf16_communication`: their docstrings
+give the formulas and DeepSpeed's lines).
 
 One rank (N = 1): nothing is gathered, at any stage and whatever the prefetch bucket (stage 3 then
 reduce-scatters per bucket and all-reduces the norm only), so stage 3 beyond one prefetch bucket, not
@@ -94,7 +100,7 @@ NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: partitions start at multipl
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000  # engine.py MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce bucket
 BF16_ELEMENT_BYTES = 2  # bf16: the model's dtype, its gradients' and what is reduced and gathered
 MASTER_ELEMENT_BYTES = 4  # the fp32 master partition and the optimizer's states on it, in any precision
-OVERFLOW_FLAG_BYTES = 1  # stages 1/2 in bf16: the overflow check's all-reduced uint8 flag
+STAGE3_NORM_BYTES = 8  # stage 3's global gradient norm, fp64: all-reduced and kept (stages 1/2: none)
 
 
 def reduce_buckets(numels: Sequence[int], bucket_elements: int) -> list[list[int]]:
@@ -177,11 +183,9 @@ def zero_communication(
     element_bytes: int = 4,
     uses: Sequence[ParameterUse] | None = None,
     gradient_order: Sequence[int] | None = None,
-    overflow_flag: bool = False,
 ) -> Counts | None:
     """One optimizer step of ZeRO `stage` (0-3) on one rank, without offload, gradients reduced and
-    parameters gathered in `element_bytes` (fp32's 4; bf16: `zero_bf16_communication`, which also sets
-    `overflow_flag`: stages 1/2 all-reduce a 1-byte overflow flag before the norm). `numels`: each
+    parameters gathered in `element_bytes` (fp32's 4; bf16: `zero_bf16_communication`). `numels`: each
     parameter's elements in model.parameters() order; `bucket_elements`: reduce_bucket_size;
     `prefetch_elements`: stage3_prefetch_bucket_size; `grad_accum`: micro-steps K per step (stages 0 and 1
     reduce once at the boundary, stages 2 and 3 in every backward, stage 3 gathers in every forward);
@@ -216,9 +220,7 @@ def zero_communication(
             in_bucket, first = placed[first : first + len(bucket)], first + len(bucket)
             for elements in bucket_all_reduces(in_bucket, partition, bucket_elements) * reductions:
                 add(counts, "all_reduce", elements * element_bytes, world_size)
-        if overflow_flag:  # bf16's overflow check, before the norm
-            add(counts, "all_reduce", OVERFLOW_FLAG_BYTES, world_size)
-        add(counts, "all_reduce", 4, world_size)  # the gradient norm, fp32
+        # (no gradient norm: compute_grad_norm false; no bf16 overflow flag: check_grad_overflow false)
         if world_size > 1:  # (one rank: nothing to gather)
             add(counts, "all_gather", padded * element_bytes, world_size)
         return counts
@@ -230,7 +232,7 @@ def zero_communication(
         add(counts, "all_gather", grad_accum * sum(padded) * element_bytes, world_size, calls=grad_accum)
     for bucket in reduce_buckets([sizes[i] for i in gradient_order], bucket_elements) * grad_accum:
         add(counts, "reduce_scatter", sum(bucket) * element_bytes, world_size)
-    add(counts, "all_reduce", 8, world_size)  # the gradient norm, fp64
+    add(counts, "all_reduce", STAGE3_NORM_BYTES, world_size)  # the gradient norm (DeepSpeed computes it)
     return counts
 
 
@@ -305,7 +307,7 @@ def zero_model_states(
         held = (overlapping if trained_here else 0) + unused + padding
         return {
             "parameters": (padded + frozen) * element_bytes,  # the flat buffer, and frozen ones whole
-            "gradients": held * element_bytes + 4,
+            "gradients": held * element_bytes,  # (no kept norm: compute_grad_norm false)
             "optimizer": optimizer_partition_bytes(partition, optimizer, master_bytes, step_bytes),
         }
     if stage == 3:
@@ -313,7 +315,7 @@ def zero_model_states(
         trainable_partition = sum(stage3_padded(trainable, world_size)) // world_size
         return {
             "parameters": partition * element_bytes,
-            "gradients": trainable_partition * element_bytes + 8,
+            "gradients": trainable_partition * element_bytes + STAGE3_NORM_BYTES,
             "optimizer": optimizer_partition_bytes(trainable_partition, optimizer, master_bytes, step_bytes),
         }
     return None
@@ -335,7 +337,7 @@ def zero_bf16_model_states(
     b = 2 (BF16_ELEMENT_BYTES) and m = 4 (MASTER_ELEMENT_BYTES):
 
         stage 1, 2  parameters = Ψ'·b (frozen ones whole besides)
-                    gradients  = b·(every parameter overlapping [rP, (r+1)P), whole, + padding there) + 4
+                    gradients  = b·(every parameter overlapping [rP, (r+1)P), whole, + padding there)
         stage 3     parameters = Ψ'/N·b,  gradients = Ψ'/N·b + 8
         optimizer   = P·m (master) + 2P·m + s (AdamW) or + P·m (SGD)
 
@@ -347,11 +349,11 @@ def zero_bf16_model_states(
     (:560-561), fp32 unless bf16_master_weights_and_grads is set (base_optimizer.py:523-528), and the
     torch optimizer's states follow it; the partition's gradients are bf16 (copy_grads_in_partition's
     buffer in self.dtype, :2192-2194; get_flat_partition's padding in gradient_accumulation_dtype,
-    :1046-1052); the kept norm is fp32 (:2686). Stage 3 (zero/stage3.py): the parameters' partitions are
-    one bf16 buffer (lp_param_buffer, :972), the gradient partitions another (gradient_accumulation_dtype,
-    :791-793), the master partition fp32 (:1170-1171), the kept norm fp64 (get_norm_dtype,
-    zero/utils.py:59-63). step()'s fp32 copy of the gradient partition (stage_1_and_2.py:3118) lives only
-    inside step(): not held between steps, not counted."""
+    :1046-1052); no norm is kept (compute_grad_norm false: _global_grad_norm None, :3022-3023). Stage 3
+    (zero/stage3.py): the parameters' partitions are one bf16 buffer (lp_param_buffer, :972), the gradient
+    partitions another (gradient_accumulation_dtype, :791-793), the master partition fp32 (:1170-1171), the
+    kept norm fp64 (get_norm_dtype, zero/utils.py:59-63). step()'s fp32 copy of the gradient partition
+    (stage_1_and_2.py:3118) lives only inside step(): not held between steps, not counted."""
     if stage not in (1, 2, 3):
         return None
     return zero_model_states(
@@ -380,22 +382,24 @@ def zero_bf16_communication(
 ) -> Counts | None:
     """One optimizer step of ZeRO `stage` 1-3 on one rank in bf16 without offload (None at stage 0, and
     where `communication_unavailable` says): `zero_communication`'s buckets, pieces and padding (buckets
-    count elements, whatever the dtype), in b = 2 bytes, and at stages 1/2 one more all-reduce, of the
-    1-byte overflow flag:
+    count elements, whatever the dtype), in b = 2 bytes, with no norm at stages 1/2 (as in fp32) and no
+    overflow flag:
 
-        stages 1, 2  all_reduce: calls = K'·pieces(n, B) + 2,  bytes = K'·Ψ·b + 1 + 4
-                     all_gather: calls = 1,                    bytes = Ψ'·b            (none on one rank)
+        stages 1, 2  all_reduce: calls = K'·pieces(n, B),  bytes = K'·Ψ·b
+                     all_gather: calls = 1,                bytes = Ψ'·b            (none on one rank)
         stage 3      all_gather: calls = K, bytes = K·Ψ'·b (none on one rank);  reduce_scatter: calls =
                      K·buckets(n', B), bytes = K·Ψ'·b;  all_reduce: calls = 1, bytes = 8
 
     DeepSpeed 0.19.8 (deepspeed/runtime/): communication_data_type is bf16 (engine.py:1719-1728), so the
     gradient buckets are bf16 (stage_1_and_2.py:1253-1254, bucket buffers of the parameters' dtype;
     :1493-1497 all-reduces them uncast; stage3.py:780-784) and the gathered buffers the bf16 parameters
-    (stage_1_and_2.py:3155, all_gather_dp_groups of bit16_groups_flat). The norm is all-reduced as in
-    fp32: fp32 at stages 1/2 (stage_1_and_2.py:2686-2690), fp64 at stage 3 (stage3.py:2460-2469). The
-    overflow check: bf16's check_grad_overflow, default True (precision_config.py:56), reaches stages 1/2
-    (engine.py:2638-2639, :2706), whose step() then checks (stage_1_and_2.py:3028-3029), all-reducing a
-    uint8 flag (has_overflow, :3237-3242) — on one rank too; stage 3, in fp16 only (stage3.py:2815)."""
+    (stage_1_and_2.py:3155, all_gather_dp_groups of bit16_groups_flat). The norm as in fp32: none at
+    stages 1/2 (compute_grad_norm false skips scaled_global_norm's all-reduce, stage_1_and_2.py:3033-3039,
+    :2693), fp64 at stage 3 (stage3.py:2469). The overflow check: bf16's check_grad_overflow (default True,
+    precision_config.py:56) reaches stages 1/2 (engine.py:2638-2639, :2706), whose step() would check
+    (stage_1_and_2.py:3029), all-reducing a uint8 flag (has_overflow, :3237-3248, an .item() too) — on one
+    rank too; the config sets it false (single's bf16 step is never skipped, nor is this one); stage 3
+    checks in fp16 only (stage3.py:2815)."""
     if stage not in (1, 2, 3):
         return None
     return zero_communication(
@@ -408,7 +412,6 @@ def zero_bf16_communication(
         element_bytes=BF16_ELEMENT_BYTES,
         uses=uses,
         gradient_order=gradient_order,
-        overflow_flag=stage in (1, 2),
     )
 
 

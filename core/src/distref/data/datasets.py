@@ -12,7 +12,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from distref.config import FactoryError, RunConfig, first_line, is_factory, load_factory
+from distref.config import (
+    GPT2_CONTEXT,
+    GPT2_VOCABULARY,
+    GPT_MODELS,
+    FactoryError,
+    RunConfig,
+    first_line,
+    is_factory,
+    load_factory,
+)
 from distref.data.mnist import idx_dataset, prepare_fashion_mnist, prepare_mnist
 from distref.data.tensors import IGNORE_INDEX, DataError, DatasetInfo, TensorData
 
@@ -59,7 +68,7 @@ def load_cifar10(root: Path, download: bool = True):
 TRAIN_SET_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "digits": 1437}
 
 
-SYNTHETIC_TRAIN_SIZES = {"image": 8192, "sequence": 20000}
+SYNTHETIC_TRAIN_SIZES = {"image": 8192, "gpt": 20000, "gpt2": 1024}
 
 
 def load_digits_dataset():
@@ -100,10 +109,22 @@ def synthetic_images(
     return make(n_train), make(n_test), DatasetInfo("synthetic", num_classes, shape, "image")
 
 
+def synthetic_tokens(
+    n_train: int = SYNTHETIC_TRAIN_SIZES["gpt2"], n_test: int = 16, vocabulary: int = GPT2_VOCABULARY
+):
+    """`--dataset synthetic` for gpt2: uniformly random tokens, GPT-2's context long, to measure speed on
+    (nothing to learn: the loss stays near ln(vocabulary))."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocabulary, (n_train + n_test, GPT2_CONTEXT + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    info = DatasetInfo("synthetic", vocabulary, (GPT2_CONTEXT,), "sequence")
+    return TensorData(x[:n_train], y[:n_train]), TensorData(x[n_train:], y[n_train:]), info
+
+
 SEPARATOR = 10  # token between a digit string and its reversal
 
 
-def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["sequence"], n_test: int = 2000):
+def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["gpt"], n_test: int = 2000):
     """Sequence task for `gpt`: read `length` digits and a separator, then emit them reversed.
 
     Only the reversed half is scored (prompt targets are IGNORE_INDEX), so token accuracy measures the
@@ -125,9 +146,7 @@ def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["seq
 PAD = SEPARATOR + 1  # input token after a shorter string's end (its targets are IGNORE_INDEX)
 
 
-def synthetic_masked(
-    max_length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["sequence"], n_test: int = 2000
-):
+def synthetic_masked(max_length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["gpt"], n_test: int = 2000):
     """`--dataset masked`, for `gpt`: the reversal task with strings of 1 to `max_length` digits, padded to
     one length. Only the reversed digits are scored, so a sample scores 1 to `max_length` of its
     2·max_length targets, unevenly, as padded batches, fine-tuning prompts and masked language models do.
@@ -346,9 +365,10 @@ def sample_batch(cfg: RunConfig, n: int = 4) -> tuple[torch.Tensor, torch.Tensor
         return train.x[:n], train.y[:n], info
     g = torch.Generator().manual_seed(0)
     if cfg.dataset == "text":
-        vocab = len(set(read_text(Path(cfg.data_root))))
-        tokens = torch.randint(0, vocab, (n, 65), generator=g)
-        return tokens[:, :-1], tokens[:, 1:], DatasetInfo("text", vocab, (64,), "sequence")
+        block = text_block_size(cfg.model)
+        vocab = len(set(read_text(Path(cfg.data_root), block)))
+        tokens = torch.randint(0, vocab, (n, block + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:], text_info(vocab, block, cfg.model)
     if cfg.dataset == "masked":  # made, not read: its first samples
         train, _, info = synthetic_masked()
         return train.x[:n], train.y[:n], info
@@ -368,11 +388,12 @@ def train_set_size(cfg: RunConfig) -> int:
     if is_factory(cfg.dataset):
         return len(own_dataset(cfg.dataset)[0])
     if cfg.dataset == "synthetic":
-        return SYNTHETIC_TRAIN_SIZES["sequence" if cfg.model == "gpt" else "image"]
+        return SYNTHETIC_TRAIN_SIZES[cfg.model if cfg.model in GPT_MODELS else "image"]
     if cfg.dataset == "masked":
-        return SYNTHETIC_TRAIN_SIZES["sequence"]
+        return SYNTHETIC_TRAIN_SIZES["gpt"]
     if cfg.dataset == "text":
-        return text_train_size(len(read_text(Path(cfg.data_root))))
+        block = text_block_size(cfg.model)
+        return text_train_size(len(read_text(Path(cfg.data_root), block)), block)
     return TRAIN_SET_SIZES[cfg.dataset]
 
 
@@ -387,7 +408,19 @@ def read_text(path: Path, block_size: int = 64) -> str:
     return text
 
 
-def load_text(path: Path, block_size: int = 64):
+def text_block_size(model: str) -> int:
+    """Characters per --dataset text sequence: gpt2's context (1024), else 64."""
+    return GPT2_CONTEXT if model == "gpt2" else 64
+
+
+def text_info(characters: int, block_size: int, model: str) -> DatasetInfo:
+    """--dataset text's DatasetInfo: its characters are the vocabulary; for gpt2, GPT-2's padded vocabulary
+    (the characters its first ids), so that the model has GPT-2 small's shape whatever the text."""
+    vocabulary = max(characters, GPT2_VOCABULARY) if model == "gpt2" else characters
+    return DatasetInfo("text", vocabulary, (block_size,), "sequence")
+
+
+def load_text(path: Path, block_size: int = 64, model: str = "gpt"):
     """Character-level language modelling on any local text file; first 90% train, last 10% test."""
     text = read_text(path, block_size)
     vocab = sorted(set(text))
@@ -399,7 +432,7 @@ def load_text(path: Path, block_size: int = 64):
     chunks = tokens[window]
     x, y = chunks[:, :-1], chunks[:, 1:]
     cut = text_train_size(len(tokens), block_size)
-    info = DatasetInfo("text", len(vocab), (block_size,), "sequence")
+    info = text_info(len(vocab), block_size, model)
     return TensorData(x[:cut], y[:cut]), TensorData(x[cut:], y[cut:]), info
 
 
@@ -439,12 +472,14 @@ def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
     if cfg.dataset == "digits":
         return load_digits_dataset()
     if cfg.dataset == "text":
-        return load_text(root)
+        return load_text(root, text_block_size(cfg.model), cfg.model)
     if cfg.dataset == "masked":
         return synthetic_masked()
     if cfg.dataset == "synthetic":
         if cfg.model == "gpt":
             return synthetic_reverse()
+        if cfg.model == "gpt2":
+            return synthetic_tokens()
         if cfg.model == "lenet" or is_factory(cfg.model):  # (a model of yours: lenet's images)
             return synthetic_images((1, 28, 28))
         # resnet18's images: 512 to score, not 2048 (scoring 2048 took 20 s of a 24-second 3-step run here)

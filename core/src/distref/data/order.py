@@ -112,8 +112,13 @@ def train_loader(
     total_steps: int,
     rank: int = 0,
     world_size: int = 1,
-) -> DataLoader:
-    """Micro-batches for this rank, in the shared data order, from `start_step` on (exact resume)."""
+    *,
+    device: torch.device | None = None,
+    targets_device: torch.device | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Micro-batches for this rank, in the shared data order, from `start_step` on (exact resume), each
+    (inputs, targets) on `device` (targets on `targets_device`, by default the same) when one is given
+    (`ahead_on`), else where the dataset holds them."""
     sampler = StepBatchSampler(
         len(dataset),
         cfg.global_batch_size,
@@ -124,13 +129,43 @@ def train_loader(
         world_size,
         cfg.grad_accum,
     )
-    return DataLoader(
+    cuda = device is not None and device.type == "cuda"
+    loader = DataLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=whole_batch,
         num_workers=cfg.num_workers,
         persistent_workers=False,
+        pin_memory=cuda,  # page-locked: the copy to the GPU can be asynchronous (`ahead_on`)
     )
+    return ahead_on(loader, device, targets_device) if device is not None else iter(loader)
+
+
+def ahead_on(
+    batches, device: torch.device, targets_device: torch.device | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each (inputs, targets) of `batches` on `device` (targets on `targets_device`), the next one's copy
+    queued when this one is handed out: on CUDA, from page-locked memory without blocking, so the host
+    never waits for a copy and the GPU finds each batch there when its step begins. On the CPU there is
+    no copy to overlap: each batch read when asked for, as it is."""
+    if torch.device(device).type == "cpu" and (
+        targets_device is None or torch.device(targets_device).type == "cpu"
+    ):
+        yield from batches
+        return
+
+    def sent(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        return x.to(device, non_blocking=True), y.to(targets_device or device, non_blocking=True)
+
+    batches = iter(batches)
+    if (first := next(batches, None)) is None:
+        return
+    upcoming = sent(first)
+    for batch in batches:
+        current, upcoming = upcoming, sent(batch)
+        yield current
+    yield upcoming
 
 
 EVAL_BATCH_SIZE = 1000  # every impl scores the test set in batches of this size

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from distref.config import GPT2_CONTEXT, GPT2_VOCABULARY
 from distref.data import DatasetInfo
 from distref.models import build_model
 
@@ -25,6 +26,7 @@ MODEL_DATASETS = {
     "lenet": DatasetInfo("mnist", 10, (1, 28, 28), "image"),
     "resnet18": DatasetInfo("cifar10", 10, (3, 32, 32), "image"),
     "gpt": DatasetInfo("synthetic", 11, (16,), "sequence"),
+    "gpt2": DatasetInfo("synthetic", GPT2_VOCABULARY, (GPT2_CONTEXT,), "sequence"),
 }
 
 

@@ -116,7 +116,10 @@ class StageMeter:
     are CUDA events on the stream (IntervalTimer): a host clock sees NCCL's waits as no time. Measured
     from a session's second step on, as the throughput is: the first pays for warm-up."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, activations: bool = True):
+        """`activations`: hold the step in saved-tensor hooks that count them (not under --compile:
+        dynamo would trace the hooks into the blocks' graphs; the counted step's meter counts them)."""
+        self.count_activations = activations
         self.busy = IntervalTimer(device)  # this rank's stages computing
         self.in_schedule = IntervalTimer(device)  # this rank in schedule.step
         self.timeline = ScheduleTimeline(device)
@@ -163,13 +166,17 @@ class StageMeter:
             self.in_schedule.reset()
             self.activations.peak = 0
         self.activations.at_step_start = self.activations.live
-        held = torch.autograd.graph.saved_tensors_hooks(self.activations.pack, self.activations.unpack)
+        held = (
+            torch.autograd.graph.saved_tensors_hooks(self.activations.pack, self.activations.unpack)
+            if self.count_activations
+            else contextlib.nullcontext()
+        )
         with self.timeline.step(step), self.in_schedule.measure(), held:
             yield
 
     @property
-    def peak_activation_bytes(self) -> int:
-        return self.activations.peak
+    def peak_activation_bytes(self) -> int | None:
+        return self.activations.peak if self.count_activations else None
 
     def gathered(self, world_size: int) -> dict[str, Any] | None:
         """On rank 0, every rank's measurements for the record (`RunRecord.add_schedule_measurements`):
@@ -178,7 +185,7 @@ class StageMeter:
         other ranks. A collective: every rank calls it."""
         busy_s, schedule_s = self.busy.seconds(), self.in_schedule.seconds()
         mine = {
-            "activations": self.activations.peak,
+            "activations": self.peak_activation_bytes,
             "busy_fraction": busy_s / schedule_s if schedule_s else None,
             "timeline": self.timeline.result(),
         }

@@ -58,7 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--model", help=f"a preset ({', '.join(MODELS)}), lenet, resnet18, gpt, or module:function"
+        "--model",
+        help=f"a preset ({', '.join(MODELS)}), lenet, resnet18, gpt, gpt2 (GPT-2 small as the impls train it), or module:function",
     )
     model.add_argument(
         "--params",

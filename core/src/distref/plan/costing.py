@@ -164,7 +164,8 @@ def data_parallel_communication(
     if strategy in ("fsdp", "hsdp"):
         shard = n if strategy == "fsdp" else layout.shard
         units = unit_shapes(model)
-        resharded = [i < len(units) - 1 for i in range(len(units))]
+        # impls/fsdp's default: each unit but the last resharded after forward, none with one shard
+        resharded = [shard > 1 and i < len(units) - 1 for i in range(len(units))]
         return (
             fsdp_communication(
                 units,
@@ -182,7 +183,7 @@ def data_parallel_communication(
     if n == 1:
         return {}, notes
     buckets = dict(bucket_elements=ZERO_REDUCE_BUCKET, prefetch_elements=ZERO_PREFETCH_BUCKET, grad_accum=k)
-    if training.precision == "mixed" and stage > 0:  # DeepSpeed's bf16: its overflow flag too
+    if training.precision == "mixed" and stage > 0:  # DeepSpeed's bf16 (16-bit buckets and gathers)
         counts = zero_bf16_communication(numels, n, stage, **buckets)
     else:
         counts = zero_communication(numels, n, stage, **buckets, element_bytes=e)
@@ -421,6 +422,7 @@ def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: i
         element_bytes=e,
         compute_element_bytes=training.compute_element_bytes,  # (what the linear layers' outputs are)
         activation_checkpointing=training.checkpointing,
+        device=training.device,
     )
     dp_counts: Counts = {}
     if d > 1:  # what FSDP adds over the dp ranks (as tensor_parallel computes it)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from distref.cli import torchvision_problem
-from distref.config import is_factory
+from distref.config import GPT_MODELS, is_factory
 from distref.cost import activations as act
 from distref.cost.tensor_parallel import gpt_parameters
 from distref.data import DatasetInfo
@@ -207,8 +207,8 @@ def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 
         autocast_output_bytes=autocast_output_bytes(module, info.input_shape, tokens),
         buffers=module_buffers(module),
     )
-    if name == "gpt":
-        shape = act.gpt_shape(info, gpt_layers)
+    if name in GPT_MODELS:
+        shape = act.gpt_shape(info, gpt_layers, name)
         shape = GPTShape(shape["layers"], shape["hidden"], shape["heads"], shape["vocab"], shape["seq"])
         return dataclasses.replace(decoder(name, shape), **built)
 

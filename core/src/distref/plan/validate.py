@@ -52,7 +52,7 @@ IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its
 # Options the plan takes at their defaults: a run that changed one is compared, and the result says so
 PLANNED_AS = {
     "ddp": {"comm_hook": "none"},
-    "fsdp": {"reshard_after_forward": True, "cpu_offload": False},
+    "fsdp": {"cpu_offload": False},  # (and reshard_after_forward as the run's shard group: validate_run)
     "deepspeed_zero": {"offload_optimizer": False, "offload_params": False},
     "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True},
 }
@@ -73,9 +73,11 @@ def dataset_info(config: dict[str, Any]) -> DatasetInfo:
     from distref.data.datasets import NAMED_DATASET_SAMPLES, sample_batch
 
     model, dataset = config["model"], config["dataset"]
-    if dataset == "synthetic" and model in ("gpt", "resnet18"):  # (synthetic makes each model its inputs)
+    if dataset == "synthetic" and model in ("gpt", "gpt2", "resnet18"):  # (synthetic makes each its inputs)
         return (
-            PROJECT_DATASETS[model] if model == "gpt" else DatasetInfo("synthetic", 10, (3, 32, 32), "image")
+            PROJECT_DATASETS[model]
+            if model != "resnet18"
+            else DatasetInfo("synthetic", 10, (3, 32, 32), "image")
         )
     if dataset in NAMED_DATASET_SAMPLES:
         return NAMED_DATASET_SAMPLES[dataset]
@@ -128,6 +130,9 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         if per_rank is not None and len(per_rank) != world:
             raise PlanError(f"its {name} holds {len(per_rank)} ranks, its world_size says {world}")
     options = config.get("extra") or {}
+    if impl == "fsdp":  # what the run did (by default since fsdp 0.9: resharded with 2+ shards only)
+        resharded = (record.get("strategy") or {}).get("reshard_after_forward")
+        options = {**options, "reshard_after_forward": resharded}
     if impl == "fsdp" and world % (options.get("hsdp") or 1):
         raise PlanError(f"--hsdp {options['hsdp']} does not divide its {world} ranks")
     notes = []
@@ -179,10 +184,11 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     activations = ((record.get("activation_bytes") or {}).get("measured") or {rank: None})[rank]
     step_s = config["global_batch_size"] / record["samples_per_s"] if record.get("samples_per_s") else None
     flops = step_flops(model, training, world)
+    defaults = dict(PLANNED_AS.get(impl, {}))
+    if impl == "fsdp":  # (the plan reshards as impls/fsdp does by default: with 2+ shards)
+        defaults["reshard_after_forward"] = world // (options.get("hsdp") or 1) > 1
     planned_as = {
-        option: planned
-        for option, planned in PLANNED_AS.get(impl, {}).items()
-        if options.get(option, planned) != planned
+        option: planned for option, planned in defaults.items() if options.get(option, planned) != planned
     }
     if (
         row.strategy in ("fsdp", "hsdp", "tp")

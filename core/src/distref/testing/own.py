@@ -14,6 +14,7 @@ batch, end with the same parameters within PARITY_TOLERANCE.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -89,3 +90,29 @@ def check_parity_on_your_model(
     difference = max_relative_difference(impl, single)
     assert difference < PARITY_TOLERANCE, f"{args}: max relative difference {difference:.2e} from single"
     return difference
+
+
+# ---- Start-up: how often a process builds your model and runs it on real tensors ------------------
+COUNT_VARIABLE = "DISTREF_COUNT_FILE"  # where each process appends a line per build and per forward
+
+
+def counted_mlp() -> nn.Module:
+    """`example_mlp`, appending to $DISTREF_COUNT_FILE (when set) a line {"pid", "event"} for each build
+    on a real device (not the meta device) and each forward of real tensors, as they happen (a rank may
+    end without running atexit): tests/test_gpu_speed.py counts them per process."""
+    if torch.empty(()).device.type != "meta":
+        _count("build")
+    model = example_mlp()
+
+    def counted(module: nn.Module, inputs: tuple) -> None:
+        if inputs[0].device.type != "meta":
+            _count("forward")
+
+    model.fc1.register_forward_pre_hook(counted)  # (the first block: own_model keeps the blocks)
+    return model
+
+
+def _count(event: str) -> None:
+    if path := os.environ.get(COUNT_VARIABLE):
+        with open(path, "a") as counts:
+            counts.write(json.dumps({"pid": os.getpid(), "event": event}) + "\n")

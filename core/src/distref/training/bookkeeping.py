@@ -48,6 +48,50 @@ class Cadence:
         return Due(done, log, evaluate, checkpoint, last)
 
 
+class StepClock:
+    """Each step's time. On the CPU, the host's clock. On CUDA, two events on the stream around the step,
+    read when the losses are logged (`times`): the host never waits for the GPU to time a step, and keeps
+    queueing the next one. `sync` (--step-timing sync, a diagnostic) waits for the GPU after every step
+    instead and reads the host's clock: the time the host saw, waits included."""
+
+    def __init__(self, device: torch.device | None, sync: bool = False):
+        cuda = device is not None and device.type == "cuda"
+        self.events, self.wait_for = cuda and not sync, device if cuda and sync else None
+        self.pending: list[float | tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> float | torch.cuda.Event:
+        if not self.events:
+            return time.perf_counter()
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
+        return started
+
+    def stop(self, started: float | torch.cuda.Event) -> float | None:
+        """The step begun at `started` is done (its work queued): its time on the host's clock, or None
+        for events, which `times` reads."""
+        if self.events:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self.pending.append((started, done))
+            return None
+        if self.wait_for is not None:
+            torch.cuda.synchronize(self.wait_for)
+        self.pending.append(time.perf_counter() - started)
+        return self.pending[-1]
+
+    def times(self) -> list[float]:
+        """The seconds of each step stopped since the last call (waiting for the last one's events)."""
+        seconds = []
+        for entry in self.pending:
+            if isinstance(entry, tuple):
+                started, done = entry
+                done.synchronize()
+                entry = started.elapsed_time(done) / 1000  # milliseconds
+            seconds.append(entry)
+        self.pending = []
+        return seconds
+
+
 class StepLog:
     """Where each step's numbers go. A step's loss stays a device tensor until logging is due (no host
     sync per step); then all pending losses reach the host at once, go into the record, the progress bar
@@ -65,13 +109,15 @@ class StepLog:
         start_step: int,
         show: bool = True,
         desc: str | None = None,
+        device: torch.device | None = None,
     ):
-        """`show`: this process draws the bar and writes TensorBoard (rank 0 of several)."""
+        """`show`: this process draws the bar and writes TensorBoard (rank 0 of several). `device`: where
+        the steps compute, timed there (`StepClock`; none: the host's clock, the loop waits itself)."""
         self.record, self.cfg, self.impl, self.cadence = record, cfg, impl, cadence
+        self.clock = StepClock(device, sync=cfg.step_timing == "sync")
         self.bar = progress_bar(cadence.n_steps, start_step, enabled=show, desc=desc or impl)
         self.tensorboard = tensorboard_writer(cfg, enabled=show)
         self.losses: list[torch.Tensor] = []  # per-step losses not yet in the record
-        self.times: list[float] = []
         TRAFFIC.session_starts(start_step, cadence.n_steps)  # set-up's communication ends here
 
     def __enter__(self) -> StepLog:
@@ -86,20 +132,19 @@ class StepLog:
         self.bar.close()
         self.tensorboard.close()
 
-    def step_starts(self, step: int) -> float:
+    def step_starts(self, step: int) -> float | torch.cuda.Event:
         """A step begins (its time is measured from what this returns); the session's third step has its
         communication counted (distref.training.traffic)."""
         TRAFFIC.step_starts(step)
-        return time.perf_counter()
+        return self.clock.start()
 
-    def step_done(self, loss: torch.Tensor, started: float) -> float:
-        """After a step (and its device sync): its loss, as a tensor, and its time since `started`, which
-        it returns."""
+    def step_done(self, loss: torch.Tensor, started: float | torch.cuda.Event) -> float | None:
+        """After a step: its loss, as a tensor, and its time since `started`, which it returns where the
+        host's clock measured it (None: CUDA events, read at the next `flush`)."""
         TRAFFIC.stop_counting()
-        self.times.append(time.perf_counter() - started)
         self.losses.append(loss)
         self.bar.update(1)
-        return self.times[-1]
+        return self.clock.stop(started)
 
     def flush(self, done: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """The pending losses into the record, `done` steps being done. `reduce` turns this rank's losses
@@ -108,11 +153,11 @@ class StepLog:
         with TRAFFIC.counting("log"):  # (the first time: what logging adds to communication)
             losses = (reduce(pending) if reduce else pending).tolist()
         first = done - len(losses)
-        self.record.add_steps(first, losses, self.times)
+        self.record.add_steps(first, losses, self.clock.times())
         stop_if_diverged(losses, first, self.cfg, self.impl)  # nan/inf: exit 1
         self.bar.set_postfix(loss=f"{losses[-1]:.4f}")
         self.tensorboard.add_scalar("train/loss", losses[-1], done)
-        self.losses, self.times = [], []
+        self.losses = []
 
     def eval_starts(self) -> float:
         """An evaluation begins (its time is measured from what this returns); the first has its

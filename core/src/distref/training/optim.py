@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from distref.config import RunConfig
+from distref.config import FUSED_ADAMW_DEVICES, RunConfig
 from distref.data.order import steps_per_epoch
 
 
@@ -20,7 +20,13 @@ def total_steps(cfg: RunConfig, num_train_samples: int) -> int:
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params = list(params)
+    # Fused on CUDA: the whole update in one kernel over every parameter, where foreach makes ~7 passes
+    # (~2 ms a step for GPT-2 small on an H200). Not over a mix of DTensors and plain tensors, which the
+    # kernel refuses (a tp_plan of yours that splits some layers); not on the CPU (FUSED_ADAMW_DEVICES).
+    mixed = len({hasattr(p, "to_local") for p in params}) > 1  # (only DTensor has to_local)
+    fused = not mixed and all(p.device.type in FUSED_ADAMW_DEVICES for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def lr_factor(schedule: str, step: int, total: int) -> float:

@@ -30,6 +30,8 @@ def stop_if_diverged(losses: list[float], first_step: int, cfg: RunConfig, prog:
             hint = f"lower --lr (now {cfg.lr:g})"
             if cfg.precision in ("bf16", "fp16"):
                 hint += f", or train in fp32 (now --precision {cfg.precision})"
+            if first_step + i == 0:  # the first step's loss comes before any update: not the lr's doing
+                hint = "the model gives it from its initial parameters, before any update: check its forward"
             message = (
                 f"{prog}: error: the loss is {loss} at step {first_step + i + 1}: training diverged; {hint}. "
                 "Checkpoints from before it are kept"

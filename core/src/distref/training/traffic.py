@@ -115,6 +115,15 @@ def describe(func: Any, args: tuple) -> tuple[str, int, int] | None:
     return None
 
 
+def run_eagerly() -> contextlib.AbstractContextManager:
+    """Compiled code (--compile) run as eager code inside: dynamo does not trace under a dispatch mode,
+    and a compiled block it met under one (the counted step, set-up's counting) it would run eagerly for
+    good after (torch 2.13). `force_eager` keeps dynamo out of those frames (torch 2.6+; before it, a
+    no-op)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 class CountCommunication(TorchDispatchMode):
     """Within it, every communication operation this thread (and the autograd threads it starts) issues
     is added to `counts`: {kind: {"calls", "bytes", "bus_bytes"}}."""
@@ -155,6 +164,7 @@ class Traffic:
         self.counted_step: int | None = None
         self._step_to_count: int | None = None
         self._mode: CountCommunication | None = None
+        self._eager: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.activations: SavedActivations | None = None
         self._hooks = None
         self._in_run = count_setup
@@ -174,6 +184,8 @@ class Traffic:
         if phase not in self.phases:
             self._mode = CountCommunication(self.phases.setdefault(phase, {}))
             self._mode.__enter__()
+            self._eager = run_eagerly()
+            self._eager.__enter__()
 
     def stop_counting(self) -> None:
         if self._hooks is not None:
@@ -181,6 +193,7 @@ class Traffic:
             hooks.__exit__(None, None, None)
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            self._eager.__exit__(None, None, None)
             mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
