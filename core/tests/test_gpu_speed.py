@@ -301,6 +301,17 @@ def test_inductor_compiled_ddp_equals_single_compiled_and_eager_single_closely(s
     assert 0 < max_relative_difference(torch.load(eager, weights_only=True), compiled) < 1e-4
 
 
+def test_inductor_compiled_zero_bubble_pipeline_equals_single_compiled(single_compiled, tmp_path):
+    """Zero-bubble schedules run each stage's backward in two passes over one graph (input gradients,
+    then weight gradients), which inductor's compiled backward refuses unless it keeps its buffers."""
+    final = tmp_path / "final.pt"
+    args = [*COMPILED, "--schedule", "zbv", "--compile", "--save-final", str(final)]
+    result = launch(2, "pipeline", args, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    diff = max_relative_difference(torch.load(final, weights_only=True), single_compiled({}))
+    assert diff < PARITY_TOLERANCE, f"zbv compiled vs single compiled: {diff:.2e}"
+
+
 def test_dataparallel_refuses_compile_in_one_line():
     result = run_script(
         [sys.executable, str(train_path("dataparallel")), *COMPILED, "--compile"], timeout=120

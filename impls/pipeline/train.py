@@ -118,6 +118,7 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
+SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")  # input- and weight-gradient passes apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,6 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     model = pipeline.model  # this rank's blocks
     if cfg.compile:  # --- PIPELINE: the blocks of this rank's stages, each compiled
+        if options.schedule in SPLIT_BACKWARD:  # backward twice over each graph (input, then weight
+            # gradients: retain_graph), where inductor's backward frees its saved buffers after one run
+            torch._functorch.config.donated_buffer = False
         compile_blocks(model)
     optimizer = make_optimizer(cfg, model.parameters())  # --- PIPELINE: this rank's parameters
     # --- end PIPELINE ---
