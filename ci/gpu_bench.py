@@ -170,8 +170,10 @@ def bare_loop(model_name: str, device_name: str, steps: int, compiled: bool, out
     from distref.models import build_model
     from distref.record import peak_memory_bytes, seconds_since_process_start
     from distref.training.compile import compile_blocks  # (--compile's: each block, the same backend)
+    from distref.training.device import configure_cpu_threads
     from distref.training.steps import loss_sum
 
+    configure_cpu_threads()  # (one thread, as every rank: on the CPU two spinning threads ran 5-8x slower)
     device = torch.device(device_name)
     torch.manual_seed(0)
     info = data_info(model_name)
@@ -214,6 +216,7 @@ def bare_loop(model_name: str, device_name: str, steps: int, compiled: bool, out
         "environment": {
             "torch": torch.__version__,
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "threads_per_rank": torch.get_num_threads(),
         },
         "steps": [
             {"step": i, "loss": float(loss), "step_time_s": t}
@@ -555,7 +558,7 @@ def markdown(
         "rank; start-up: process start to first step; vs bare / vs single: median step ÷ that row's of the "
         "same mode; compile speed-up: eager median ÷ compiled median of the same row",
         "- bare: the same model, one random batch on the device, `torch.optim.AdamW(fused=True)`, bf16 "
-        "autocast, distref's loss, nothing else; compiled: `block.compile()` for each block",
+        "autocast, distref's loss, nothing else; compiled: each block's forward, as `--compile` does (compile_blocks)",
         "",
         gpu_check.md_table(HEADER, table_rows(rows, mfu_why)),
         "",

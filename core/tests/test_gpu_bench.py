@@ -276,6 +276,7 @@ def test_rehearsed_on_cpu_the_table_has_numbers(bench, tmp_path, monkeypatch):
     """--device cpu: the bare loop, single and ddp ×1 (torchrun), the tiny gpt, eager and compiled (with
     dynamo and AOTAutograd but not inductor's code generation: seconds, not minutes), end to end."""
     monkeypatch.setenv("DISTREF_COMPILE_BACKEND", "aot_eager")  # (the runs inherit it)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (each run sets its own threads: one)
     out = tmp_path / "bench"
     argv = ["--device", "cpu", "--quick", "--steps", "8", "--warmup", "3", "--impls", "single,ddp"]
     code = bench.main([*argv, "--out", str(out)])
@@ -299,3 +300,6 @@ def test_rehearsed_on_cpu_the_table_has_numbers(bench, tmp_path, monkeypatch):
     assert numbers["flops_per_token"] == 6 * numbers["shape"]["n_params"] + 12 * 2 * 4 * 16 * 16
     assert "--compile" in (out / "logs" / "compiled-ddp.log").read_text().splitlines()[0]
     assert (out / "runs" / "compiled" / "ddp" / "record.json").exists()
+    for name in ("bare", "single"):  # (one thread each: two spinning threads made the bare loop 100x slower)
+        record = json.loads((out / "runs" / "eager" / name / "record.json").read_text())
+        assert record["environment"]["threads_per_rank"] == 1
