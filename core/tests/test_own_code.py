@@ -228,6 +228,36 @@ MINE = textwrap.dedent('''
         return model
 
 
+    def tied_built_from_values():
+        """Tied weights, and a constructor that reads a value: checked for real, the tie still found."""
+        model = tied_weights()
+        assert model.a.weight.abs().sum().item() > 0
+        return model
+
+
+    class WithLock(nn.Sequential):
+        """Holds a lock (a model with a cache, a file handle): deepcopy raises TypeError."""
+
+        def __init__(self):
+            super().__init__(OrderedDict(fc1=nn.Linear(16, 32), act=nn.ReLU(), fc2=nn.Linear(32, 4)))
+            import threading
+
+            self.lock = threading.Lock()
+
+
+    def with_lock():
+        return WithLock()
+
+
+    def planned_from_values():
+        """example_mlp's tensor-parallel plan, and a constructor that reads a value."""
+        from distref.testing.own import example_mlp
+
+        model = example_mlp()
+        assert model.fc1.weight.abs().sum().item() > 0
+        return model
+
+
     def weight_normed():
         """Holds a non-leaf tensor as an attribute (nn.utils.weight_norm's `weight`): deepcopy refuses it."""
         import warnings
@@ -372,6 +402,11 @@ ON_MINE = ["--dataset", "mine:data"]
             "a.weight and b.weight are one parameter, in two blocks (a, b); keep tied parameters in one block",
         ),
         ("fsdp", ["--model", "mine:tied_weights", *ON_MINE], "fsdp shards each block on its own"),
+        (
+            "fsdp",
+            ["--model", "mine:tied_built_from_values", *ON_MINE],
+            "fsdp shards each block on its own",
+        ),
         (
             "tensor_parallel",
             ["--model", "mine:rowwise_first", *ON_MINE],
@@ -650,10 +685,17 @@ def test_a_model_that_cannot_be_built_on_the_meta_device_is_checked_for_real(pro
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_a_model_deepcopy_refuses_is_built_again_for_fsdp_s_evaluation_copy(project):
-    args = ["--model", "mine:weight_normed", "--dataset", "mine:data", "--steps", "2"]
+@pytest.mark.parametrize("model", ["mine:weight_normed", "mine:with_lock"])  # (RuntimeError, TypeError)
+def test_a_model_deepcopy_refuses_is_built_again_for_fsdp_s_evaluation_copy(model, project):
+    args = ["--model", model, "--dataset", "mine:data", "--steps", "2"]
     result = run_ranks(2, str(train_path("fsdp")), args, env=dict(os.environ), timeout=120, cwd=project)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_plan_of_yours_built_only_for_real_is_checked_for_tensor_parallelism(project):
+    args = ["--model", "mine:planned_from_values", "--dataset", "mine:data", "--check-ranks", "2"]
+    result = run_script([sys.executable, str(train_path("tensor_parallel")), *args], cwd=project)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
 def test_a_model_whose_first_loss_is_nan_is_not_told_to_lower_the_lr(project):

@@ -345,13 +345,14 @@ def main(argv: list[str] | None = None) -> dict:
             # micro-batch adds its loss *sum* over this count. (The mean of the micro-batches' own means
             # would weigh a micro-batch scoring 3 targets as much as one scoring 60: padding, prompts.)
             scored = scored_targets(train_set, cfg, step)
-            step_loss = None
+            # --- MODEL PARALLEL: fp32 on every rank (0 on those without the last part), as the losses' broadcast
+            step_loss = torch.zeros((), device=device)  # from the last rank needs one dtype everywhere
             for _ in range(cfg.grad_accum):
                 x, y = next(micro_batches)
                 # --- MODEL PARALLEL: this micro-batch through every part and back, one part
                 # working at a time; micro-batches one after another (no overlap: that is pipelining).
                 loss = train_micro_batch(parts, x, y, links, cfg, scaler, scored)
-                step_loss = loss if step_loss is None else step_loss + loss
+                step_loss += loss
             scale = scaler.get_scale()  # fp16: a host sync, as scaler.step() makes anyway; else 1.0
             scaler.step(optimizer)
             scaler.update()

@@ -212,14 +212,21 @@ def gpt(cfg: GPTConfig) -> BlockModel:
     return model
 
 
+def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """What `build()` returns, built on the meta device (shapes, no memory, no initialisation), the
+    random generators left as they were."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return build()
+
+
 def plain_copy(model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
     """A copy of `model`, its parameters and buffers, as a second model built by `build` would be once
     loaded with them, without building one (a copy is faster than initialising, and keeps what the
     state_dict does not hold). A model that deepcopy refuses (a non-leaf tensor held as an attribute, as
-    nn.utils.weight_norm keeps) is built again and loaded instead."""
+    nn.utils.weight_norm keeps; a lock or a handle, that pickle refuses) is built again and loaded instead."""
     try:
         return copy.deepcopy(model)
-    except RuntimeError:
+    except Exception:  # (what your model holds: whatever deepcopy raises)
         built = build()
         built.load_state_dict(model.state_dict())
         return built

@@ -27,6 +27,7 @@ stays in the impl's train.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,17 +36,19 @@ from distref.config import GPT_MODELS, FactoryError, RunConfig, first_line, is_f
 from distref.data import DataError, sample_batch
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.distributed.partition import block_sizes, choose_cut_points, named_block_sizes
-from distref.models import BlockModel, build_model, gpt_config, own_model
+from distref.models import BlockModel, build_model, gpt_config, on_meta, own_model
 from distref.training.measure import local_part
 from distref.training.steps import loss_sum
 
 PLAN_STYLES = ("colwise", "rowwise")  # what a tp_plan may name (impls/tensor_parallel: STYLES)
 
 
-def on_meta(build):
-    """What `build()` returns, built on the meta device (shapes, no memory, no initialisation), the
-    random generators left as they were."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+def on_meta_else_real(build: Callable[[], nn.Module]) -> nn.Module:
+    """What `build()` returns, on the meta device (no memory, no initialisation) where it builds there,
+    else for real (a constructor of yours that reads a value: `.item()`, a copy to the CPU)."""
+    try:
+        return on_meta(build)
+    except FactoryError:
         return build()
 
 
@@ -119,7 +122,7 @@ def own_model_tied_across_blocks(name: str) -> str | None:
     if not is_factory(name):
         return None
     try:
-        return tied_across_blocks(on_meta(lambda: own_model(name)))
+        return tied_across_blocks(on_meta_else_real(lambda: own_model(name)))
     except FactoryError:
         return None  # (said by validate)
 
@@ -134,9 +137,8 @@ def batch_norm_in_16_bits_problem(cfg: RunConfig, who: str) -> str | None:
     if cfg.model == "resnet18":
         found = "resnet18's BatchNorm layers keep"
     elif is_factory(cfg.model):
-        try:  # (on the meta device: its modules are what matters, not its weights)
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                model = own_model(cfg.model)
+        try:  # (its modules are what matters, not its weights)
+            model = on_meta_else_real(lambda: own_model(cfg.model))
         except FactoryError:
             return None  # (said by validate)
         found = next(
@@ -236,7 +238,7 @@ def tp_model_problem(
             "--sequence-parallel and --loss-parallel split gpt's layer norms and vocabulary, not a model "
             "of yours"
         )
-    model = on_meta(lambda: build_model(model_name, None))  # (validate built it already: it builds)
+    model = on_meta_else_real(lambda: build_model(model_name, None))  # (validate built it already: it builds)
     if tied := tied_across_blocks(model):  # a split parameter and its unsplit twin would drift apart
         return f"--model {model_name}: {tied}; tensor parallelism here splits layers of their own"
     plan = getattr(model, "tp_plan", None)

@@ -300,3 +300,23 @@ def test_parity_with_single_on_your_model(tmp_path):
     Yours: DISTREF_TEST_MODEL=MODULE:FUNCTION [DISTREF_TEST_DATASET=MODULE:FUNCTION] python -m pytest
     -k your_model"""
     check_parity_on_your_model(lambda args: run_mp(["--nproc-per-node", "2", *args]), tmp_path)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_fp64_losses_reach_rank_0_from_the_last_part(grad_accum, tmp_path):
+    """In fp64 the last part's loss is float64, the other ranks' zero step loss float32: the losses'
+    broadcast from the last rank needs one dtype on every rank (a float64 loss there made gloo refuse
+    the sizes and abort the job), and the record gets the last part's losses."""
+    final = tmp_path / "final.pt"
+    args = [
+        *parity_args("gpt"),
+        "--precision",
+        "fp64",
+        "--grad-accum",
+        str(grad_accum),
+        "--nproc-per-node",
+        "2",
+    ]
+    run_mp([*args, "--save-final", str(final), "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert all(step["loss"] > 0 for step in record["steps"])

@@ -89,7 +89,7 @@ from distref.cost.sharded import fsdp, fsdp_model_states, rows_held
 from distref.cost.tp_activations import tensor_parallel_activation_bytes
 from distref.cost.usage import model_usage
 from distref.data.tensors import DatasetInfo
-from distref.models import GPTConfig, build_model, gpt_config, parameter_dtype
+from distref.models import GPTConfig, build_model, gpt_config, on_meta, parameter_dtype
 
 Shape = tuple[int, ...]
 
@@ -431,8 +431,7 @@ def planned_cost(
     usage = model_usage(model, info, gpt_layers=2)  # which parameters train: a forward on meta
     model_states = None
     if not usage.unknown and dp_shard == 1:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            whole = build_model(model, info)  # (its names and shapes)
+        whole = on_meta(lambda: build_model(model, info))  # (its names and shapes)
         named = list(whole.named_parameters())
         model_states = planned_model_states(
             [(p.shape, planned_split(whole.tp_plan, name)) for name, p in named],

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from distref.models import build_model
+from distref.models import build_model, on_meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +152,7 @@ def model_usage(model_name: str, info, gpt_layers: int) -> Usage:
     """The Usage of the model a run builds (`--model`, on `info`: distref.data.DatasetInfo); `unknown`
     says why where it cannot be found: a model of yours whose forward does not run on the meta device."""
     try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = build_model(model_name, info, gpt_layers)
+        model = on_meta(lambda: build_model(model_name, info, gpt_layers))
         return traced_usage(model, tuple(info.input_shape), tokens=info.kind == "sequence")
     except Exception as exc:  # (your model's code: whatever it raises)
         first_line = (str(exc).splitlines() or [""])[0]
