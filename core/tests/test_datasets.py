@@ -116,3 +116,62 @@ def test_a_missing_cifar10_is_one_line_before_any_rank_starts(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ddp: error: CIFAR-10 is not under {tmp_path}"), lines
     assert "starting" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("dataset", "length", "train", "test"),
+    [("synthetic", 16, 20_000, 2_000), ("synthetic", 256, 1_250, 125), ("masked", 64, 5_000, 500)],
+)
+def test_sequence_length_makes_gpts_tasks_as_long_with_as_many_tokens(dataset, length, train, test):
+    """--sequence-length N: the reversal of N/2 digits (the default 16 unchanged: the same 20,000 sequences
+    as before the option), as many tokens in all; the last answer reads the first digit, N − 1 back."""
+    default = load_dataset(RunConfig(model="gpt", dataset=dataset))[0]
+    data, test_set, info = load_dataset(RunConfig(model="gpt", dataset=dataset, sequence_length=length))
+    assert (
+        data.x.shape == (train, length)
+        and test_set.x.shape == (test, length)
+        and info.input_shape == (length,)
+    )
+    if length == 16:
+        assert torch.equal(data.x, default.x) and torch.equal(data.y, default.y)
+    if dataset == "synthetic":  # the first digit is the last target; only the reversed half is scored
+        assert torch.equal(data.y[:, -1], data.x[:, 0])
+        assert (data.y != IGNORE_INDEX).sum(1).eq(length // 2).all()
+
+
+def test_sequence_length_sets_text_blocks_and_gpt2s_context(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefghij" * 300)
+    train, _, info = load_dataset(
+        RunConfig(model="gpt", dataset="text", data_root=str(text), sequence_length=100)
+    )
+    assert train.x.shape[1] == 100 and info.input_shape == (100,)
+    assert torch.equal(train.y[0, :-1], train.x[0, 1:])
+    _, _, info = load_dataset(RunConfig(model="gpt2", dataset="synthetic", sequence_length=128))
+    assert info.input_shape == (128,)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            dict(model="lenet", dataset="mnist", sequence_length=16),
+            "--sequence-length sets the tokens per sequence of gpt's and gpt2's data (--dataset synthetic, "
+            "masked or text), not of --dataset mnist with --model lenet",
+        ),
+        (
+            dict(model="gpt", dataset="distref.testing.own:example_tokens", sequence_length=16),
+            "--sequence-length sets the tokens per sequence of gpt's and gpt2's data (--dataset synthetic, "
+            "masked or text), not of --dataset distref.testing.own:example_tokens with --model gpt",
+        ),
+        (
+            dict(model="gpt", dataset="masked", sequence_length=9),
+            "--sequence-length 9: gpt's masked task is digits, a separator and the digits reversed, 2 × "
+            "digits tokens in all: give an even length",
+        ),
+    ],
+)
+def test_a_sequence_length_the_data_cannot_take_is_one_line(options, message):
+    from distref.cli import validate
+
+    assert validate(RunConfig(**options)) == message

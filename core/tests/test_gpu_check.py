@@ -33,13 +33,21 @@ def names(jobs) -> list[str]:
 def test_one_gpu_runs_what_fits_and_says_what_needs_two(gpu_check, tmp_path):
     jobs, not_run = gpu_check.plan_jobs(gpus=1, device="cuda", out=tmp_path, steps=40)
     skipped = dict(not_run)
-    for impl in ("pipeline", "model_parallel", "tensor_parallel"):
+    for impl in ("pipeline", "model_parallel", "tensor_parallel", "context_parallel"):
         assert skipped[f"{impl}-gpu"] == "needs 2 GPUs, 1 visible"
         assert f"{impl}-gpu" not in names(jobs)
     sessions = [j.name for j in jobs if j.group == "session"]
     assert sessions == ["dataparallel-gpu", "ddp-gpu", "deepspeed_zero-gpu", "fsdp-gpu", "single-gpu"]
     world_one = {j.name: j for j in jobs if j.group == "world 1"}
-    impls = ["single", "ddp", "deepspeed_zero", "fsdp", "model_parallel", "tensor_parallel"]
+    impls = [
+        "single",
+        "ddp",
+        "deepspeed_zero",
+        "fsdp",
+        "model_parallel",
+        "tensor_parallel",
+        "context_parallel",
+    ]
     assert sorted(world_one) == sorted(f"{i} ×1 gpt {p}" for i in impls for p in ("fp32", "bf16"))
     # model_parallel as one process with both parts on the one GPU; the others as one rank
     assert "--devices" in (argv := world_one["model_parallel ×1 gpt fp32"].argv) and "cuda:0,cuda:0" in argv
@@ -199,7 +207,10 @@ def test_an_impl_is_not_run_on_a_torch_older_than_it_declares(gpu_check, tmp_pat
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["--only", "nomatch"], "--only 'nomatch' matches no job; the jobs: dataparallel-cpu, ddp-cpu"),
+        (
+            ["--only", "nomatch"],
+            "--only 'nomatch' matches no job; the jobs: context_parallel-cpu, dataparallel-cpu, ddp-cpu",
+        ),
         (["--budget-s", "nan"], "--budget-s a number of seconds > 0"),
         (["--budget-s", "inf"], "--budget-s a number of seconds > 0"),
         (["--steps", "0"], "--steps and --parallel must be >= 1"),

@@ -95,12 +95,15 @@ def test_the_mesh_search_tries_powers_of_two_and_says_why_it_skipped_the_rest():
 
 def test_a_mesh_asked_for_is_the_only_one_planned(capsys):
     """--tp 4 on 32 GPUs: tensor parallelism of degree 4 over 8 data-parallel groups, nothing else; --pp 3
-    on 24 GPUs (not a power of two: asked for, so planned)."""
+    on 24 GPUs (not a power of two: asked for, so planned); --cp 4: ring and Ulysses over 4 ranks."""
     code, out = run_plan(capsys, "--model", "7b", "--gpus", "32", "--tp", "4", "--json")
     assert code == 0 and [(r["strategy"], r["mesh"]) for r in json.loads(out)] == [("tp", "dp8×tp4")]
     code, out = run_plan(capsys, "--model", "7b", "--gpus", "24", "--pp", "3", "--json")
     meshes = {r["mesh"] for r in json.loads(out)}
     assert code == 0 and meshes == {"dp8×pp3"}
+    code, out = run_plan(capsys, "--model", "7b", "--gpus", "32", "--cp", "4", "--json")
+    rows = {(r["strategy"], r["mesh"]) for r in json.loads(out)}
+    assert code == 0 and rows == {("cp", "dp8×cp4"), ("cp-ulysses", "dp8×cp4")}
 
 
 def test_a_pipeline_s_memory_follows_its_schedule():
@@ -185,8 +188,13 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
     bigger = make_plan(model, Cluster(GPUS["a100-40gb"], gpus), training)
     smaller = make_plan(model, Cluster(GPUS["a100-40gb"], gpus // 2), training)
     assert bigger.rows[0].fits and not smaller.rows[0].fits
-    # 70B in fp32 at 4096 tokens keeps 172 GB of activations per sequence: no cluster of 24 GB L4s holds it
+    # 70B in fp32 at 4096 tokens keeps 172 GB of activations per sequence: only context parallelism, each
+    # GPU holding 1/8 of a sequence, fits it on 24 GB L4s; tensor parallelism of 8 on no cluster of them
     code, out = run_plan(capsys, "--model", "70b", "--gpu", "l4", "--gpus", "8", "--precision", "fp32")
+    assert code == 0 and "The smallest cluster that would: 2048 GPUs, with cp-ulysses dp256×cp8" in out
+    code, out = run_plan(
+        capsys, "--model", "70b", "--gpu", "l4", "--gpus", "8", "--precision", "fp32", "--tp", "8"
+    )
     assert code == 0 and "Nothing fits, on any cluster" in out and "--activation-checkpointing" in out
 
 
@@ -205,6 +213,12 @@ def test_nothing_fits_says_so_and_names_the_smallest_cluster_that_would(capsys):
         (["--model", "125m", "--simulate", "999"], "--simulate 999: the plan has"),
         (["--model", "7b", "--gpus", "32", "--tp", "3"], "--tp 3 does not divide the 32 GPUs"),
         (["--model", "7b", "--tp", "2", "--pp", "2"], "no impl here combines tensor and pipeline"),
+        (
+            ["--model", "7b", "--tp", "2", "--cp", "2"],
+            "--tp 2 with --cp 2: no impl here combines tensor and context",
+        ),
+        (["--model", "7b", "--gpus", "32", "--cp", "3"], "--cp 3 does not divide the 32 GPUs"),
+        (["--model", "7b", "--cp", "3", "--gpus", "24"], "no layout can run: ring attention cuts"),
         (["--model", "7b", "--memory-gb", "1e300"], "argument --memory-gb: 1e300 is too large"),
         (["--model", "7b", "--peak-tflops", "1e300"], "argument --peak-tflops: 1e300 is too large"),
         (["--model", "125m", "--plot", "/nonexistent/plan.png"], "--plot /nonexistent/plan.png: no folder"),
@@ -457,3 +471,162 @@ def test_resnet18_without_torchvision_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--model resnet18 needs torchvision, and it is not installed: pip install torchvision" in err
+
+
+# ---- context parallelism (impls/context_parallel): gpt's sequences split over C ranks ---------------------
+
+SMALL = GPTShape(layers=2, hidden=64, heads=8, vocab=1000, seq=64)
+FOUR_PER_NODE = dataclasses.replace(GPUS["h100-80gb"], gpus_per_node=4)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_context_parallel_rows_cost_what_its_formulas_say(k):
+    """dp2 × cp4 on nodes of 4 GPUs, fp32, one sequence per group and micro-step: by hand, with E = 64/4 ·
+    64 = 1024 elements of each of k and v per rank and layer, the ring sends per layer 3 + 3 blocks of k, v
+    (2E, fp32) forward and backward and their gradients 4 hops home (2E, fp32), each sent and received:
+    2 layers × 10 × 8,192 bytes each way within the node; Ulysses 8 all-to-alls of E (q, k, v to heads,
+    the output back, forward and backward), 3/4 of each on the bus. FSDP2 shards over all 8 ranks, across
+    the nodes: rank 0 holds ⌈d₀/8⌉ rows of each parameter, and with K = 2 micro-steps whole gradients until
+    the last. Compute is the step's FLOPs over all 8 GPUs."""
+    model, training = decoder("small", SMALL), Training(2 * k, 1, "fp32", "adamw", False, 0.4)
+    ring = cost(Layout("cp", dp=2, cp=4), model, Cluster(FOUR_PER_NODE, 8), training)
+    ulysses = cost(Layout("cp-ulysses", dp=2, cp=4), model, Cluster(FOUR_PER_NODE, 8), training)
+    assert ring.mesh == "dp2×cp4" and (ring.micro_batch, ring.grad_accum) == (1, k)
+    assert ring.communication_bytes["intra_node"] == k * 2 * (2 * 10 * 8192)
+    assert ulysses.communication_bytes["intra_node"] == k * 2 * 8 * 4096 * 3 / 4
+    assert ring.communication_bytes["inter_node"] == ulysses.communication_bytes["inter_node"] > 0
+    held = sum(math.ceil(shape[0] / 8) * math.prod(shape[1:]) for shape in model.shapes)
+    tensors = 2 + 15 * SMALL.layers + 3  # AdamW's step: one fp32 scalar per tensor
+    for row in (ring, ulysses):
+        states = row.memory_per_gpu_bytes
+        assert states["parameters"] == 4 * held and states["optimizer"] == 8 * held + 4 * tensors
+        assert states["gradients"] == (4 * held if k == 1 else 4 * model.parameters)
+        compute = step_flops(model, training, 8) / (GPUS["h100-80gb"].peak_flops["fp32"] * 0.4)
+        assert row.compute_s == pytest.approx(compute)
+    # mixed precision: the ZeRO paper's 2 + 2 + 12 bytes per parameter over all 8 ranks (gradients whole
+    # while micro-steps accumulate)
+    mixed = cost(
+        Layout("cp", dp=2, cp=4),
+        model,
+        Cluster(FOUR_PER_NODE, 8),
+        dataclasses.replace(training, precision="mixed"),
+    )
+    psi = model.parameters
+    assert {kind: mixed.memory_per_gpu_bytes[kind] for kind in ("parameters", "gradients", "optimizer")} == {
+        "parameters": 2 * psi / 8,
+        "gradients": 2 * psi / 8 if k == 1 else 2 * psi,
+        "optimizer": 12 * psi / 8,
+    }
+    # each rank's activations: the model's on its 16 of the 64 tokens (in fp32 on CUDA: as the ring saves)
+    shorter = decoder("short", dataclasses.replace(SMALL, seq=16))
+    whole = act.stage_bytes(*shorter.formula(act.saving_for("fp32", "cuda", attention="cpu"), False), 1)
+    assert ring.memory_per_gpu_bytes["activations"] == whole
+
+
+def test_the_ring_hides_under_attention_s_compute_and_ulysses_under_nothing():
+    """The ring passes each key/value block on while computing attention on the one before: its hops hide
+    under causal attention's compute, half of PaLM's 12·L·h·s FLOPs per token. Ulysses' all-to-alls wait
+    for what they carry. 7B, dp2 × cp4 on nodes of 4, the network between them too fast to matter: at
+    4,096 tokens attention is 7% of the compute and the ring shows beyond it; at 32,768 it is 28% and the
+    ring hides."""
+    fast_network = dataclasses.replace(FOUR_PER_NODE, inter_node_bytes_per_s=1e30)
+    training = Training(2, 1, "mixed", "adamw", False, 0.4)
+    L, h, C = 32, 4096, 4
+    for s in (4096, 32768):
+        model = decoder("7b", dataclasses.replace(MODELS["7b"], seq=s))
+        ring = cost(Layout("cp", dp=2, cp=C), model, Cluster(fast_network, 8), training)
+        ulysses = cost(Layout("cp-ulysses", dp=2, cp=C), model, Cluster(fast_network, 8), training)
+        E = s // C * h  # (bf16 blocks, fp32 gradients)
+        ring_s = 2 * L * (2 * (C - 1) * 2 * E * 2 + C * 2 * E * 4) / 450e9
+        all_to_all_s = L * 8 * E * 2 * (C - 1) / C / 450e9
+        per_token = 6 * (model.parameters - (MODELS["7b"].vocab + s) * h) + 12 * L * h * s
+        attention_s = ring.compute_s * 6 * L * h * s / per_token
+        assert ring.communication_bytes["intra_node"] / 450e9 == pytest.approx(ring_s)
+        assert ring.step_s["overlap"] == pytest.approx(ring.compute_s + max(0, ring_s - attention_s))
+        assert ulysses.step_s["overlap"] == pytest.approx(ulysses.compute_s + all_to_all_s)
+        assert (ring_s > attention_s) == (s == 4096)
+    assert ring.exposed is None or ring.exposed["phase"] != "attention"
+
+
+def test_context_parallel_meshes_follow_the_sequence_and_the_heads():
+    """Powers of two on 64 GPUs: ring attention where the sequence cuts into 2C chunks, Ulysses where C
+    divides the heads and the sequence; beyond a node too (the ring then crosses nodes); none for a model
+    without a decoder's shape."""
+    model = decoder("x", GPTShape(layers=2, hidden=256, heads=32, vocab=1000, seq=48))
+    found, skipped = layouts(model, Cluster(GPUS["h100-80gb"], 64))
+    meshes = {(layout.strategy, layout.dp, layout.cp) for layout in found if layout.cp > 1}
+    assert meshes == {("cp", 64 // c, c) for c in (2, 4, 8)} | {
+        ("cp-ulysses", 64 // c, c) for c in (2, 4, 8, 16)
+    }
+    reasons = dict(skipped)
+    assert (
+        reasons["cp16"]
+        == reasons["cp64"]
+        == "ring attention cuts the 48 positions into 2C chunks: not evenly"
+    )
+    assert reasons["cp32-ulysses"] == "Ulysses splits the 48 positions: not evenly"
+    assert reasons["cp64-ulysses"] == "must divide the 32 attention heads"
+    _, skipped = layouts(parameters_only(10**9), Cluster(GPUS["h100-80gb"], 8))
+    assert "splits a decoder's sequences" in dict(skipped)["cp"]
+
+
+def test_the_ring_runs_on_the_link_its_group_spans():
+    """The ring within a node when C fits in one, across nodes beyond; FSDP2 over every rank, across nodes
+    once the world spans them."""
+    model, training = decoder("small", SMALL), Training(2, 1, "fp32", "adamw", False, 0.4)
+    within = cost(Layout("cp", dp=2, cp=4), model, Cluster(FOUR_PER_NODE, 8), training)
+    across = cost(
+        Layout("cp", dp=1, cp=8),
+        model,
+        Cluster(FOUR_PER_NODE, 8),
+        Training(1, 1, "fp32", "adamw", False, 0.4),
+    )
+    assert within.communication_bytes["intra_node"] > 0 and across.communication_bytes["intra_node"] == 0
+    one_node = cost(Layout("cp", dp=2, cp=4), model, Cluster(GPUS["h100-80gb"], 8), training)
+    assert one_node.communication_bytes["inter_node"] == 0
+
+
+def test_long_sequences_context_parallelism_beats_tensor_parallelism_and_alone_fits(capsys):
+    """7B at 32,768 tokens on one node: the ring (dp2 × cp4) comes first, faster than the best tensor-
+    parallel row, whose collectives in every layer are exposed while the ring's hops hide under attention;
+    its why says so. Llama 3's 8B at 131,072 tokens on 4 nodes: only context-parallel rows fit (1/16 or 1/32
+    of each sequence per GPU), and each fitting row's why says that."""
+    code, out = run_plan(
+        capsys, "--model", "7b", "--gpus", "8", "--seq", "32768", "--global-batch", "32", "--json"
+    )
+    rows = json.loads(out)
+    best_tp = next(row for row in rows if row["strategy"] == "tp" and row["fits"])
+    first = rows[0]
+    assert code == 0 and (first["strategy"], first["mesh"]) == ("cp", "dp2×cp4")
+    assert first["tokens_per_s_per_gpu"] > 1.05 * best_tp["tokens_per_s_per_gpu"]
+    assert (
+        f"faster than tp {best_tp['mesh']}" in first["why"]
+        and "1/4 of each 32,768-token sequence" in first["why"]
+    )
+    code, out = run_plan(
+        capsys, "--model", "8b", "--nodes", "4", "--seq", "131072", "--global-batch", "16", "--json"
+    )
+    fitting = [row for row in json.loads(out) if row["fits"]]
+    assert code == 0 and fitting and {row["strategy"] for row in fitting} <= {"cp", "cp-ulysses"}
+    assert all(row["why"].startswith("only context parallelism fits (1/") for row in fitting)
+
+
+def test_simulate_runs_the_planned_context_parallel_sharding(capsys):
+    """125M on 8 GPUs, fp32, one micro-step: ring and Ulysses over 4 ranks, 2 groups, run through
+    impls/context_parallel's own code as rank 0 of 8 on the fake process group: what the plan says."""
+    model = decoder("125m", MODELS["125m"])
+    made = make_plan(model, Cluster(GPUS["h100-80gb"], 8), Training(2, 1, "fp32", "adamw", False, 0.4), cp=4)
+    assert {(row.strategy, row.mesh) for row in made.rows} == {("cp", "dp2×cp4"), ("cp-ulysses", "dp2×cp4")}
+    for row in made.rows:
+        said = simulate_row(made, row)
+        states, communication = (
+            row.memory_per_gpu_bytes["model_states"],
+            sum(row.communication_bytes.values()),
+        )
+        assert (
+            f"--cp 4 --dp-shard 2 --cp-mode {'ulysses' if row.strategy == 'cp-ulysses' else 'ring'}" in said
+        )
+        assert f"model states {int(states):,} B, plan (fp32) {states:,.0f} B" in said, said
+        assert f"communication {communication:,.0f} bus bytes per step, plan {communication:,.0f}" in said, (
+            said
+        )

@@ -1,6 +1,6 @@
 """python -m distref.plan --validate on a record of every impl, in each of its forms (one process per part
-or --devices, tensor parallelism ×1 or on a 2-D mesh, every ZeRO stage's kind, --partition, --stages-per-rank,
-HSDP, offload), in fp32, fp64 and bf16, on this project's models and on models and data of your own: each
+or --devices, tensor parallelism ×1 or on a 2-D mesh, context parallelism's ring and Ulysses, every ZeRO
+stage's kind, --partition, --stages-per-rank, HSDP, offload), in fp32, fp64 and bf16, on this project's models and on models and data of your own: each
 is validated against the layout it ran (exactly, where the plan's formulas are exact) or skipped with one
 line saying why, never a traceback. The compare runs' records: core/tests/test_report_and_compare.py."""
 
@@ -118,6 +118,20 @@ RUNS = {
     ),
     "tensor_parallel-bf16": (2, "tensor_parallel", [*GPT, "--precision", "bf16"], "exact"),
     "tensor_parallel-yours": (2, "tensor_parallel", OWN, "tensor parallelism by a tp_plan has no formula"),
+    # (--sequence-length: the record's own, not the task's 16 tokens)
+    "context_parallel-ring": (2, "context_parallel", [*GPT, "--sequence-length", "32"], "exact"),
+    "context_parallel-ulysses-bf16": (
+        2,
+        "context_parallel",
+        [*GPT, "--cp-mode", "ulysses", "--precision", "bf16"],
+        "exact",
+    ),
+    "context_parallel-dp-shard-fp64": (
+        2,
+        "context_parallel",
+        [*GPT, "--dp-shard", "2", "--precision", "fp64"],
+        "exact",
+    ),
 }
 IN_PROCESS = ("single", "dataparallel")  # (and --devices: one process)
 
@@ -183,6 +197,9 @@ def test_the_layout_validated_is_the_run_s(record, capsys):
     assert "(tensor_parallel, tp tp1, rank 0)" in said["tensor_parallel-x1"]
     assert "(tensor_parallel, tp dp2×tp1, rank 0)" in said["tensor_parallel-dp-shard-fp64"]
     assert "(deepspeed_zero, zero0 dp2, rank 0)" in said["deepspeed_zero-stage-0"]
+    assert "(context_parallel, cp cp2, rank 0)" in said["context_parallel-ring"]
+    assert "(context_parallel, cp-ulysses cp2, rank 0)" in said["context_parallel-ulysses-bf16"]
+    assert "(context_parallel, cp dp2×cp1, rank 0)" in said["context_parallel-dp-shard-fp64"]
     assert "(planned with cpu_offload=False; the run had cpu_offload=True)" in said["fsdp-offload-fp64"]
 
 

@@ -166,7 +166,8 @@ def test_on_one_gpu_compare_runs_every_impl_that_fits_and_says_why_not_the_other
 
 def test_on_two_or_three_gpus_every_impl_runs_at_the_count_they_all_fit(monkeypatch, capsys):
     """2 GPUs: every impl at 2. 3 GPUs and gpt: a batch of 48 splits in 3, but tensor_parallel's 4 heads
-    do not: every impl runs at 2 rather than all but tensor_parallel at 3, and the line says why not 3."""
+    do not: every impl runs at 2 rather than all but tensor_parallel and context_parallel at 3, and the line
+    says why not 3."""
     available = impl_folders.discover(ROOT / "impls")
     monkeypatch.setattr(compare, "cuda_gpus", lambda: (2, "2 × a GPU"))
     lenet_impls = [impl for impl, info in available.items() if not info["models"]]
@@ -176,8 +177,10 @@ def test_on_two_or_three_gpus_every_impl_runs_at_the_count_they_all_fit(monkeypa
     gpt = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "48"]
     assert compare.default_world(available, list(available), gpt) == (2, [])
     assert capsys.readouterr().out == (
-        "compare: world size 2, one rank per GPU of 3 × a GPU; not more: 3 ranks: tensor_parallel: --tp 3 "
-        "must divide gpt's 4 attention heads and its MLP's 256 units\n"
+        "compare: world size 2, one rank per GPU of 3 × a GPU; not more: 3 ranks: context_parallel: --cp 3 "
+        "with ring attention splits each sequence into 2 × 3 = 6 chunks (the load balanced causal split): "
+        "the sequence's 16 tokens must divide by 6 (--sequence-length); tensor_parallel: --tp 3 must divide "
+        "gpt's 4 attention heads and its MLP's 256 units\n"
     )
 
 

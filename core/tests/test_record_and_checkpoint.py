@@ -572,3 +572,22 @@ def test_fp16_skipped_steps_are_counted_in_the_record_across_a_resume(single_tra
         [*args, "--resume", str(ckpt.checkpoint_path(ckpt_dir, 10)), "--out", str(tmp_path / "resumed")]
     )
     assert load_record(tmp_path / "resumed")["skipped_steps"] == skipped
+
+
+def test_sequence_length_must_match_on_resume_given_or_not(single_train, tmp_path, capsys):
+    """A checkpoint of gpt's task at its default 16 tokens continues with --sequence-length 16 (the same
+    data) and is refused at 32, one line saying both lengths."""
+    args = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "16", "--optimizer", "sgd"]
+    args += ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    single_train.main([*args, "--steps", "2"])
+    path = ckpt.checkpoint_path(tmp_path, 2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        single_train.main([*args, "--steps", "4", "--sequence-length", "32", "--resume", str(path)])
+    assert exc.value.code == 2 and "(--sequence-length 16 vs 32)" in capsys.readouterr().err
+    cfg = parse_config([*args, "--steps", "4", "--sequence-length", "16", "--resume", str(path)], "single")
+    assert ckpt.load_checkpoint(path, cfg, 4)["changes"] == {
+        "steps": [2, 4],
+        "sequence_length": [None, 16],
+        "total_steps": [2, 4],
+    }

@@ -21,6 +21,9 @@ TP64 = GPTShape(layers=1, hidden=128, heads=64, vocab=1000, seq=64)  # 1-D tenso
 # ... over 512: heads of width 1, the sequence split over the 512 too (sequence parallel); ranks 500-511
 # hold no column of the vocabulary (⌈1000/512⌉ = 2 each)
 TP512 = GPTShape(layers=1, hidden=512, heads=512, vocab=1000, seq=512)
+# Ring attention cuts each sequence into 2C chunks: one position per chunk at C = 64 and C = 512
+RING64 = GPTShape(layers=1, hidden=64, heads=8, vocab=1000, seq=128)
+RING512 = GPTShape(layers=1, hidden=64, heads=8, vocab=1000, seq=1024)
 GPT_1_3B, GPT_7B = PRESETS["gpt-1.3b"], PRESETS["gpt-7b"]
 EVERY_BLOCK = ",".join(str(b) for b in range(1, 16))  # DEEPER cut into its 16 blocks
 
@@ -135,6 +138,43 @@ def test_fsdp_over_tensor_parallel(world_size, dp, tp, shape, rank):
 @pytest.mark.parametrize(
     "world_size, shape, rank, options",
     [
+        (8, SMALL, 7, ["--dp-shard", "2"]),
+        (8, SMALL, 6, ["--dp-shard", "2", "--cp-mode", "ulysses"]),
+        (64, RING64, 63, []),
+        (64, RING64, 37, ["--dp-shard", "4"]),
+        (64, TP64, 63, ["--cp-mode", "ulysses"]),  # 64 heads for 64 ranks
+        (512, RING512, 511, []),
+        (512, RING64, 300, ["--dp-shard", "8"]),
+        (512, TP512, 511, ["--cp-mode", "ulysses"]),
+        (512, TP64, 100, ["--dp-shard", "8", "--cp-mode", "ulysses"]),
+        (512, GPT_1_3B, 511, ["--dp-shard", "32", "--cp", "16", "--cp-mode", "ulysses"]),
+    ],
+)
+def test_context_parallel(world_size, shape, rank, options):
+    """Each rank holds slice rank % C of its group's sequences (the mesh's cp dimension innermost); its
+    attention sends, by hand: with E = b·(s/C)·h elements of each of k and v per rank, per block and
+    micro-batch, the ring's C − 1 forward and C − 1 backward hops of k and v (2E), and the key/value
+    gradients' C hops home (2E, fp32), each a send and a recv; Ulysses' 8 all-to-alls of E (q, k, v to
+    heads and the output back, forward and backward)."""
+    steps = 1 if shape in (GPT_1_3B, RING512) else None  # (test_the_first_step_is_steady)
+    run = check("context_parallel", world_size, shape, rank, options, steps=steps)
+    dp = int(options[options.index("--dp-shard") + 1]) if "--dp-shard" in options else 1
+    cp = world_size // dp
+    assert run.facts["mesh"] == {"dp_shard": dp, "cp": cp} and run.facts["cp_rank"] == rank % cp
+    E = shape.seq // cp * shape.hidden  # (one sequence per micro-step, fp32)
+    if "ulysses" in options:
+        assert kinds(run)["all_to_all"] == (8 * shape.layers, 8 * shape.layers * E * 4)
+        assert not {"send", "recv"} & set(run.communication)
+    else:
+        hops = shape.layers * (2 * (cp - 1) + cp)
+        assert kinds(run)["send"] == kinds(run)["recv"] == (hops, hops * 2 * E * 4)
+        assert "all_to_all" not in run.communication
+    assert {"all_gather", "reduce_scatter"} <= set(run.communication)  # FSDP2 over every rank
+
+
+@pytest.mark.parametrize(
+    "world_size, shape, rank, options",
+    [
         (8, DEEP, 0, ["--schedule", "gpipe"]),
         (8, DEEP, 3, ["--microbatches", "8"]),
         (8, DEEPER, 7, ["--schedule", "interleaved-1f1b", "--microbatches", "8", "--partition", EVERY_BLOCK]),
@@ -181,6 +221,16 @@ def test_deepspeed_zero(world_size, rank, stage):
         ("tensor_parallel", 8, 7, ["--no-sequence-parallel"], {"activation_checkpointing": True}),
         ("tensor_parallel", 8, 5, [], {"optimizer": "sgd", "weight_decay": 0.1, "micro_batch": 3}),
         ("tensor_parallel", 64, 63, ["--tp", "8"], {"grad_accum": 2, "optimizer": "sgd"}),
+        ("context_parallel", 64, 63, ["--cp", "8"], {"precision": "bf16", "grad_accum": 2}),
+        ("context_parallel", 64, 62, ["--cp", "8"], {"activation_checkpointing": True, "micro_batch": 3}),
+        ("context_parallel", 64, 61, ["--cp", "4", "--cp-mode", "ulysses"], {"precision": "bf16"}),
+        (
+            "context_parallel",
+            64,
+            63,
+            ["--cp", "8", "--cp-mode", "ulysses"],
+            {"activation_checkpointing": True, "optimizer": "sgd", "grad_accum": 2},
+        ),
     ],
 )
 def test_precision_accumulation_checkpointing_and_optimizers(impl, world_size, rank, options, settings):
@@ -194,6 +244,7 @@ def test_precision_accumulation_checkpointing_and_optimizers(impl, world_size, r
     [
         ("fsdp", ["--hsdp", "8"]),
         ("tensor_parallel", ["--dp-shard", "8"]),
+        ("context_parallel", ["--dp-shard", "8"]),
         ("pipeline", ["--dp", "8", "--microbatches", "8"]),
     ],
 )
@@ -213,6 +264,8 @@ def test_the_first_step_is_steady(impl, options):
     [
         ("fsdp", 8, SMALL, ["--hsdp", "2"], "fake"),
         ("tensor_parallel", 8, SMALL, ["--dp-shard", "2"], "fake"),
+        ("context_parallel", 8, SMALL, ["--dp-shard", "2"], "fake"),
+        ("context_parallel", 8, SMALL, ["--cp-mode", "ulysses"], "fake"),
         ("pipeline", 8, DEEP, ["--microbatches", "8"], "meta"),
     ],
 )
@@ -240,6 +293,8 @@ def test_tensors_without_data_count_what_real_ones_do(impl, world_size, shape, o
             "--partition",
         ),
         ("tensor_parallel", 64, 0, ["--tp", "64"], "must divide the 8 attention heads"),
+        ("context_parallel", 16, 0, [], "cuts the 16 positions into 2 × --cp 16 chunks"),
+        ("context_parallel", 16, 0, ["--cp-mode", "ulysses"], "--cp 16 must divide the 8 attention heads"),
     ],
 )
 def test_what_the_fake_backend_cannot_run_is_refused_with_the_reason(impl, world_size, rank, options, why):

@@ -38,6 +38,7 @@ PARITY = {
     "deepspeed_zero": ("lenet", ["--zero-stage", "2"], 2, 0.0),
     "pipeline": ("gpt", ["--schedule", "1f1b", "--microbatches", "4"], 1, PARITY_TOLERANCE),
     "tensor_parallel": ("gpt", [], 1, PARITY_TOLERANCE),
+    "context_parallel": ("gpt", [], 1, PARITY_TOLERANCE),
 }
 # Through which scripts: srun.sbatch for all, torchrun.sbatch for ddp in CI (the script is the same for
 # every impl, and each job costs ~15 CPU-seconds of a .ci/run that must stay under 12 minutes);

@@ -42,7 +42,7 @@ from distref import impl_version
 from distref.cli import add_options_for, exit_on_bad_input, option, parse_config
 from distref.config import RunConfig, exit_after_rank_0_spoke, fail, is_factory, positive_int, under_torchrun
 from distref.cost.tensor_parallel import tensor_parallel_run_cost
-from distref.data import load_dataset, scored_targets, steps_per_epoch, train_loader
+from distref.data import load_dataset, scored_targets, sequence_length, steps_per_epoch, train_loader
 from distref.distributed import (
     all_reduce_sum,
     check_ranks_agree,
@@ -423,6 +423,13 @@ def check_options(cfg: RunConfig, world_size: int) -> str | None:
     sp, lp = options.sequence_parallel, options.loss_parallel
     if problem := tp_model_problem(cfg.model, tp, sequence_parallel=sp, loss_parallel=lp):
         return problem
+    # sequence parallelism (on for gpt unless turned off) splits every sequence evenly over the group
+    tokens = sequence_length(cfg)
+    if sp is not False and not is_factory(cfg.model) and tokens is not None and tokens % tp:
+        return (
+            f"--sequence-parallel splits each sequence's {tokens} tokens over the --tp {tp} ranks: they must "
+            "divide (--sequence-length), or give --no-sequence-parallel"
+        )
     if cfg.global_batch_size % (dp * cfg.grad_accum):
         return (
             f"--global-batch-size {cfg.global_batch_size} must be divisible by --dp-shard × --grad-accum "

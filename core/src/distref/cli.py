@@ -40,7 +40,7 @@ from distref.config import (
     under_torchrun,
     uses_cuda,
 )
-from distref.data.datasets import train_set_size
+from distref.data.datasets import sequence_length_problem, train_set_size
 from distref.data.tensors import DataError
 from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
 from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
@@ -84,7 +84,7 @@ def build_parser(
         type=choice_or_factory("--model", MODELS),
         default="lenet",
         help="an ordered list of named blocks (distref.models; gpt2: GPT-2 small's shape, 12 × 768, 1024 "
-        "tokens, to measure speed on a GPU), or a function of yours returning an nn.Module "
+        "tokens by default, to measure speed on a GPU), or a function of yours returning an nn.Module "
         "(docs/own-project.md)",
     )
     p(
@@ -107,6 +107,14 @@ def build_parser(
         metavar="DIR",
         default=os.environ.get("DISTREF_DATA", "data"),
         help="dataset folder (created and prepared if missing; $DISTREF_DATA); a file for --dataset text",
+    )
+    p(
+        "--sequence-length",
+        metavar="N",
+        type=positive_int,
+        help="tokens per sequence of gpt's and gpt2's data: --dataset synthetic and masked (digits and "
+        "their reversal, N/2 each: the answer as far back as the sequence is long), text (N characters). "
+        "Default: the dataset's own (16, 64 for text, gpt2's 1024)",
     )
     length = contract.add_mutually_exclusive_group()
     length.add_argument(
@@ -411,6 +419,8 @@ def validate(cfg: RunConfig, world_size: int = 1, cuts_model: bool = False) -> s
         return f"--model {cfg.model} does not train on --dataset {cfg.dataset} (use one of: {allowed})"
     if own_code and cfg.dataset != "text" and (problem := own_code_problem(cfg, cuts_model)):
         return problem  # (text: checked below, once the file is known to be there)
+    if problem := sequence_length_problem(cfg):
+        return problem
     shards = world_size * cfg.grad_accum
     if cfg.global_batch_size % shards:
         return (

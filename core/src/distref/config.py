@@ -114,6 +114,7 @@ class RunConfig:
     gpt_layers: int = 2
     dataset: str = "mnist"
     data_root: str = "data"
+    sequence_length: int | None = None
     epochs: int | None = None
     steps: int | None = None
     global_batch_size: int = 64
@@ -163,6 +164,7 @@ RUN_DEFINING_OPTIONS = (
     "model",
     "gpt_layers",
     "dataset",
+    "sequence_length",  # (None: the dataset's own length, as every run before core 0.18.0)
     "global_batch_size",
     "seed",
     "optimizer",
@@ -176,11 +178,29 @@ RUN_DEFINING_OPTIONS = (
 
 def defining_value(options: dict[str, Any], key: str) -> Any:
     """What option `key` of a run with these (flat) options says about which run it is: its value, the
-    default for options older runs predate, and None for the folder a named dataset lies in (MNIST and
-    Fashion-MNIST are md5-checked wherever they are; a text file is the data itself)."""
+    default for options older runs predate, None for the folder a named dataset lies in (MNIST and
+    Fashion-MNIST are md5-checked wherever they are; a text file is the data itself), and the sequence's
+    length whether given or the data's own (`--sequence-length 16` is gpt's task as it always was)."""
     if key == "data_root" and options.get("dataset") != "text":
         return None
-    return options.get(key, RunConfig.__dataclass_fields__[key].default)
+    value = options.get(key, RunConfig.__dataclass_fields__[key].default)
+    if key == "sequence_length" and value is None:
+        return default_sequence_length(options.get("model", "lenet"), options.get("dataset", "mnist"))
+    return value
+
+
+GPT_TASK_SEQUENCE = 16  # tokens of gpt's synthetic and masked tasks (8 digits, the separator, 7 answered)
+TEXT_BLOCK = 64  # characters per --dataset text sequence but gpt2's
+
+
+def default_sequence_length(model: str, dataset: str) -> int | None:
+    """Tokens per sequence of the data when --sequence-length is not given: gpt's tasks 16, text 64,
+    gpt2's 1024 (synthetic or text); None for data without one (images, yours)."""
+    if dataset == "text":
+        return GPT2_CONTEXT if model == "gpt2" else TEXT_BLOCK
+    if dataset in ("synthetic", "masked") and model in GPT_MODELS:
+        return GPT2_CONTEXT if model == "gpt2" else GPT_TASK_SEQUENCE
+    return None
 
 
 def is_first_rank() -> bool:

@@ -121,14 +121,26 @@ class GPTConfig:
 
 
 class Embedding(nn.Module):
+    """Token and learned position embeddings. `positions`: where in the sequence the tokens it is given
+    stand; None (the default): 0, 1, ... in order. A rank holding a slice of every sequence (context
+    parallelism) sets its slice's positions."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.positions: torch.Tensor | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = (
+            self.positions if self.positions is not None else torch.arange(idx.shape[1], device=idx.device)
+        )
         return self.tok(idx) + self.pos(positions)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Each query attends to the keys at or before its position: (B, heads, T, head_dim) in and out."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -138,7 +150,9 @@ class CausalSelfAttention(nn.Module):
     and part of k. The number of heads is read from the projections' outputs, so the same forward runs on
     a rank holding n_head / tp of them. The key projection has no bias: it would add q·b to every score
     of a query's row, which softmax ignores, so its gradient is zero and its updates pure rounding noise
-    (different in every correct implementation, which parity checks would flag)."""
+    (different in every correct implementation, which parity checks would flag). `attention`: how the
+    heads' queries meet the keys (`causal_attention`; context parallelism sets one that meets the other
+    ranks' slices of the sequence too)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -147,11 +161,12 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        y = self.attention(q, k, v)  # (B, heads, T, head_dim)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

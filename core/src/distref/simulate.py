@@ -9,7 +9,8 @@ tools: distref.impl_folders.TrainAPI) runs unchanged for that rank, patched nowh
 7B-like decoder). Its tensors hold no data where the impl's code allows it (`TENSORS`), which decides what
 runs at real sizes:
 
-- "fake" (FSDP2 / HSDP; tensor parallelism, 1-D and 2-D with FSDP2): the model is built and parallelized
+- "fake" (FSDP2 / HSDP; tensor parallelism, 1-D and 2-D with FSDP2; context parallelism, ring or
+  Ulysses, over FSDP2): the model is built and parallelized
   on the meta device, then materialized as fake tensors (FakeTensorMode: shapes, dtypes and a device, no
   storage, no arithmetic) with Module.to_empty, FSDP2's own path from meta; the steps run on fake tensors.
   A 7B-like model's step at 512 ranks takes seconds. Meta tensors alone would not do: FSDP2 refuses to
@@ -28,6 +29,9 @@ What the fake backend cannot play, and what is done instead (same calls, same by
   ("expected the hook result is either a Tensor or a TensorList found None"): impls/ddp's own comm hook
   (`summing_hook`, the all-reduce as a sum) returns the bucket it reduced in place instead; DDP's
   compression hooks (--comm-hook) are refused.
+- its recv and all-to-all deliver nothing: context parallelism's ring attention computes on the key/value
+  blocks it receives, and Ulysses on what its all-to-all returns, whatever they hold (their shapes are
+  known before they arrive): both run as they are, counted as sent.
 - its recv delivers nothing: torch 2.13's pipeline schedules start with a vote among the stages
   (_warmup_p2p: each says whether its shapes are static, the product travels to the last stage and back),
   which then comes out "dynamic", and the shape exchange that follows unpickles nothing (nor has a meta
@@ -43,8 +47,9 @@ What the fake backend cannot play, and what is done instead (same calls, same by
 
 Limits of the impls' own checks at these sizes: impls/pipeline balances its cut by trying every one of
 C(blocks − 1, stages − 1) cuts (beyond `MAX_CUTS_TRIED`, give --partition: 32 blocks into 16 stages would
-take hours); impls/tensor_parallel checks --tp against the default gpt's 4 heads (here the simulated
-shape's heads and, with sequence parallelism, its sequence are checked instead).
+take hours); impls/tensor_parallel checks --tp against the default gpt's 4 heads, and
+impls/context_parallel --cp against its heads and its data's sequence (here the simulated shape's heads
+and sequence are checked instead, by the same rules).
 
 `simulate` runs `steps` optimizer steps (forward, backward and optimizer step, --grad-accum micro-steps)
 and counts the last: distref.training.traffic counts a run's third, as DDP rebuilds its buckets after the
@@ -73,6 +78,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 from distref.config import RunConfig
+from distref.cost.context_parallel import context_parallel_cost
 from distref.cost.counts import Counts, same
 from distref.cost.data_parallel import ddp_rank_cost
 from distref.cost.pipeline import pipeline_rank_cost
@@ -97,6 +103,7 @@ TENSORS = {
     "ddp": "real",
     "fsdp": "fake",
     "tensor_parallel": "fake",
+    "context_parallel": "fake",
     "pipeline": "meta",
     "deepspeed_zero": "real",
 }
@@ -108,6 +115,7 @@ OPTIONS_CLASS = {
     "ddp": "DDPOptions",
     "fsdp": "FSDPOptions",
     "tensor_parallel": "TPOptions",
+    "context_parallel": "CPOptions",
     "pipeline": "PipelineOptions",
     "deepspeed_zero": "ZeroOptions",
 }
@@ -275,7 +283,7 @@ def strategy_options(module, impl: str, argv: Sequence[str]):
 
 def data_parallel_degree(impl: str, module, options, world_size: int) -> int:
     """How many ranks (or groups of ranks) each take their own slice of the global batch."""
-    if impl == "tensor_parallel":
+    if impl in ("tensor_parallel", "context_parallel"):  # (the data-parallel groups of its 2-D mesh)
         return module.mesh_shape(options, world_size)[0]
     if impl == "pipeline":
         return options.dp * options.microbatches  # each pipeline's batch is cut into micro-batches
@@ -283,8 +291,9 @@ def data_parallel_degree(impl: str, module, options, world_size: int) -> int:
 
 
 def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, rank: int) -> str | None:
-    """What the impl's own check_options says (tensor_parallel: the simulated shape's heads instead of the
-    default gpt's), and what the fake backend cannot run; None if the simulation can run."""
+    """What the impl's own check_options says (tensor_parallel, context_parallel: the simulated shape's heads
+    and sequence instead of the default gpt's), and what the fake backend cannot run; None if the
+    simulation can run."""
     if not 0 <= rank < world_size:
         return f"rank {rank} is not one of the {world_size} ranks"
     options = cfg.strategy
@@ -298,6 +307,19 @@ def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, r
             return (
                 f"--sequence-parallel splits the {shape.seq} positions over the --tp {tp} ranks: not evenly"
             )
+        return None
+    if impl == "context_parallel":  # (impls/context_parallel's check_options, on the simulated shape)
+        dp, cp = module.mesh_shape(options, world_size)
+        if dp * cp != world_size:
+            return f"--dp-shard {dp} × --cp {cp} = {dp * cp} ranks, but the world has {world_size}"
+        if options.cp_mode == "ring" and shape.seq % (2 * cp):
+            return f"ring attention cuts the {shape.seq} positions into 2 × --cp {cp} chunks: not evenly"
+        if options.cp_mode == "ulysses" and (shape.heads % cp or shape.seq % cp):
+            return (
+                f"Ulysses: --cp {cp} must divide the {shape.heads} attention heads and {shape.seq} positions"
+            )
+        if cfg.precision == "fp16":
+            return "--precision fp16 is not supported with context parallelism (no sharded loss scaler)"
         return None
     if impl == "pipeline":
         stages = world_size // options.dp * options.stages_per_rank
@@ -338,8 +360,8 @@ def simulate(
     impls_dir: Path = IMPLS_DIR,
 ) -> Simulation:
     """Rank `rank` of `world_size` running `impl` (its own command-line `options`, e.g. ["--hsdp", "8"]) on
-    gpt of `shape`: `micro_batch` sequences per rank (tensor_parallel: per data-parallel group; pipeline:
-    per micro-batch) and micro-step, `steps` optimizer steps (default: 3 for DDP and DeepSpeed, 2 for the
+    gpt of `shape`: `micro_batch` sequences per rank (tensor_parallel, context_parallel: per data-parallel
+    group; pipeline: per micro-batch) and micro-step, `steps` optimizer steps (default: 3 for DDP and DeepSpeed, 2 for the
     others), the last counted. `tensors` ("fake", "meta", "real"; default TENSORS[impl]) chooses what the
     model is built of. Raises ValueError where the impl or the fake backend cannot run it."""
     if impl not in TENSORS:
@@ -547,6 +569,45 @@ def run_tensor_parallel(module, cfg, shape, world_size, rank, tensors, steps) ->
     return Outcome(counts, states, predicted.communication, predicted.model_states, facts)
 
 
+def run_context_parallel(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
+    device = device_of(tensors)
+    options = cfg.strategy
+    dp, cp = module.mesh_shape(options, world_size)
+    mesh = module.make_mesh(dp, cp, device)
+    # as impls/context_parallel/train.py finds it: the mesh's cp dimension is the innermost, so rank r
+    # holds slice r % C of its group's sequences (test_context_parallel checks it)
+    cp_rank = mesh["cp"].get_local_rank()
+    positions = module.slice_positions(shape.seq, cp, cp_rank, load_balanced=options.cp_mode == "ring")
+    model = module.parallelize(
+        build(shape, tensors, cfg), mesh, mode=options.cp_mode, positions=positions, precision=cfg.precision
+    )
+    micro_batch = cfg.global_batch_size // (dp * cfg.grad_accum)
+    with step_tensors(tensors, model):
+        optimizer = make_optimizer(cfg, model.parameters())
+        x = batch(shape, micro_batch)[:, positions]  # this rank's tokens of its group's sequences
+        counts, states = run_steps(steps, sharded_step(model, cfg, x, device), optimizer, model.parameters)
+    predicted = context_parallel_cost(  # as impls/context_parallel/train.py calls it, for this shape
+        mode=options.cp_mode,
+        cp=cp,
+        dp_shard=dp,
+        shard_rank=rank,  # (FSDP2 shards over every rank, in rank order)
+        layers=shape.layers,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        vocabulary=shape.vocab,
+        sequence=shape.seq,
+        micro_batch=micro_batch,
+        grad_accum=cfg.grad_accum,
+        optimizer=cfg.optimizer,
+        precision=cfg.precision,
+        element_bytes=param_dtype(cfg).itemsize,
+        step_bytes=torch.get_default_dtype().itemsize,
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+    facts = {"mesh": {"dp_shard": dp, "cp": cp}, "cp_rank": cp_rank}
+    return Outcome(counts, states, predicted.communication, predicted.model_states, facts)
+
+
 def with_static_vote(stage):
     """`stage` as the fake backend can run it: its part in the schedule's warm-up vote (each stage says
     whether its shapes are static; the product travels to the last stage and back, where torch 2.13 reads
@@ -668,6 +729,7 @@ RUNNERS = {
     "ddp": run_ddp,
     "fsdp": run_fsdp,
     "tensor_parallel": run_tensor_parallel,
+    "context_parallel": run_context_parallel,
     "pipeline": run_pipeline,
     "deepspeed_zero": run_deepspeed_zero,
 }

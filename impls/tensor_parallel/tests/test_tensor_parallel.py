@@ -233,6 +233,12 @@ def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
         ([*GPT, "--dp-shard", "2", "--tp", "4"], 4, "--dp-shard 2 × --tp 4 = 8 ranks, but the job has 4"),
         ([*GPT, "--tp", "3"], 3, "--tp 3 must divide gpt's 4 attention heads and its MLP's 256 units"),
         (
+            [*GPT, "--sequence-length", "30"],
+            4,
+            "--sequence-parallel splits each sequence's 30 tokens over the --tp 4 ranks: they must divide "
+            "(--sequence-length), or give --no-sequence-parallel",
+        ),
+        (
             [*GPT, "--dp-shard", "2", "--global-batch-size", "10", "--grad-accum", "2"],
             4,
             "--global-batch-size 10 must be divisible by --dp-shard × --grad-accum = 2 × 2 = 4",

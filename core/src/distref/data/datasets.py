@@ -16,8 +16,11 @@ from distref.config import (
     GPT2_CONTEXT,
     GPT2_VOCABULARY,
     GPT_MODELS,
+    GPT_TASK_SEQUENCE,
+    TEXT_BLOCK,
     FactoryError,
     RunConfig,
+    default_sequence_length,
     first_line,
     is_factory,
     load_factory,
@@ -110,18 +113,33 @@ def synthetic_images(
 
 
 def synthetic_tokens(
-    n_train: int = SYNTHETIC_TRAIN_SIZES["gpt2"], n_test: int = 16, vocabulary: int = GPT2_VOCABULARY
+    n_train: int = SYNTHETIC_TRAIN_SIZES["gpt2"],
+    n_test: int = 16,
+    vocabulary: int = GPT2_VOCABULARY,
+    context: int = GPT2_CONTEXT,
 ):
-    """`--dataset synthetic` for gpt2: uniformly random tokens, GPT-2's context long, to measure speed on
-    (nothing to learn: the loss stays near ln(vocabulary))."""
+    """`--dataset synthetic` for gpt2: uniformly random tokens, `context` long (GPT-2's by default), to
+    measure speed on (nothing to learn: the loss stays near ln(vocabulary))."""
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocabulary, (n_train + n_test, GPT2_CONTEXT + 1), generator=g)
+    tokens = torch.randint(0, vocabulary, (n_train + n_test, context + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    info = DatasetInfo("synthetic", vocabulary, (GPT2_CONTEXT,), "sequence")
+    info = DatasetInfo("synthetic", vocabulary, (context,), "sequence")
     return TensorData(x[:n_train], y[:n_train]), TensorData(x[n_train:], y[n_train:]), info
 
 
 SEPARATOR = 10  # token between a digit string and its reversal
+TOKENS_PER_TASK_SET = SYNTHETIC_TRAIN_SIZES["gpt"] * GPT_TASK_SEQUENCE  # a longer sequence, fewer of them
+
+
+def task_sizes(sequence: int) -> dict[str, int]:
+    """Training and test sequences of gpt's token tasks at `sequence` tokens: 20,000 and 2,000 at 16
+    (and shorter); longer ones as many tokens in all, at least 64 and 16 sequences (a million tokens: 64
+    sequences of inputs and targets, 1 GB)."""
+    longer = max(sequence, GPT_TASK_SEQUENCE)
+    return {
+        "n_train": max(64, TOKENS_PER_TASK_SET // longer),
+        "n_test": max(16, 2000 * GPT_TASK_SEQUENCE // longer),
+    }
 
 
 def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["gpt"], n_test: int = 2000):
@@ -365,12 +383,12 @@ def sample_batch(cfg: RunConfig, n: int = 4) -> tuple[torch.Tensor, torch.Tensor
         return train.x[:n], train.y[:n], info
     g = torch.Generator().manual_seed(0)
     if cfg.dataset == "text":
-        block = text_block_size(cfg.model)
+        block = text_block_size(cfg.model, cfg.sequence_length)
         vocab = len(set(read_text(Path(cfg.data_root), block)))
         tokens = torch.randint(0, vocab, (n, block + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:], text_info(vocab, block, cfg.model)
     if cfg.dataset == "masked":  # made, not read: its first samples
-        train, _, info = synthetic_masked()
+        train, _, info = synthetic_masked(sequence_length(cfg) // 2, **task_sizes(sequence_length(cfg)))
         return train.x[:n], train.y[:n], info
     info = NAMED_DATASET_SAMPLES[cfg.dataset]
     x = torch.randn(n, *info.input_shape, generator=g)
@@ -387,12 +405,12 @@ def train_set_size(cfg: RunConfig) -> int:
     tokenised): the config checks the global batch against it before any process starts."""
     if is_factory(cfg.dataset):
         return len(own_dataset(cfg.dataset)[0])
+    if cfg.dataset == "masked" or (cfg.dataset == "synthetic" and cfg.model == "gpt"):
+        return task_sizes(sequence_length(cfg))["n_train"]
     if cfg.dataset == "synthetic":
         return SYNTHETIC_TRAIN_SIZES[cfg.model if cfg.model in GPT_MODELS else "image"]
-    if cfg.dataset == "masked":
-        return SYNTHETIC_TRAIN_SIZES["gpt"]
     if cfg.dataset == "text":
-        block = text_block_size(cfg.model)
+        block = text_block_size(cfg.model, cfg.sequence_length)
         return text_train_size(len(read_text(Path(cfg.data_root), block)), block)
     return TRAIN_SET_SIZES[cfg.dataset]
 
@@ -408,9 +426,40 @@ def read_text(path: Path, block_size: int = 64) -> str:
     return text
 
 
-def text_block_size(model: str) -> int:
-    """Characters per --dataset text sequence: gpt2's context (1024), else 64."""
-    return GPT2_CONTEXT if model == "gpt2" else 64
+def text_block_size(model: str, sequence: int | None = None) -> int:
+    """Characters per --dataset text sequence: `sequence` (--sequence-length), else gpt2's context (1024),
+    else 64."""
+    if sequence is not None:
+        return sequence
+    return GPT2_CONTEXT if model == "gpt2" else TEXT_BLOCK
+
+
+def sequence_length(cfg: RunConfig) -> int | None:
+    """Tokens per sequence of the run's data: --sequence-length, else the dataset's own (gpt's tasks 16,
+    text 64, gpt2's 1024), known without loading it; a dataset of yours: its inputs' length (it is read,
+    once: `own_dataset` keeps it); None for images."""
+    if is_factory(cfg.dataset):
+        info = own_dataset(cfg.dataset)[2]
+        return info.input_shape[0] if info.kind == "sequence" else None
+    default = default_sequence_length(cfg.model, cfg.dataset)
+    return default if default is None or cfg.sequence_length is None else cfg.sequence_length
+
+
+def sequence_length_problem(cfg: RunConfig) -> str | None:
+    """Why --sequence-length does not fit the run's data (a line), or None."""
+    if cfg.sequence_length is None:
+        return None
+    if default_sequence_length(cfg.model, cfg.dataset) is None:  # (images; a dataset of yours: its own)
+        return (
+            "--sequence-length sets the tokens per sequence of gpt's and gpt2's data (--dataset synthetic, "
+            f"masked or text), not of --dataset {cfg.dataset} with --model {cfg.model}"
+        )
+    if cfg.model == "gpt" and cfg.dataset in ("synthetic", "masked") and cfg.sequence_length % 2:
+        return (
+            f"--sequence-length {cfg.sequence_length}: gpt's {cfg.dataset} task is digits, a separator and "
+            "the digits reversed, 2 × digits tokens in all: give an even length"
+        )
+    return None
 
 
 def text_info(characters: int, block_size: int, model: str) -> DatasetInfo:
@@ -472,14 +521,14 @@ def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
     if cfg.dataset == "digits":
         return load_digits_dataset()
     if cfg.dataset == "text":
-        return load_text(root, text_block_size(cfg.model), cfg.model)
+        return load_text(root, text_block_size(cfg.model, cfg.sequence_length), cfg.model)
     if cfg.dataset == "masked":
-        return synthetic_masked()
+        return synthetic_masked(sequence_length(cfg) // 2, **task_sizes(sequence_length(cfg)))
     if cfg.dataset == "synthetic":
         if cfg.model == "gpt":
-            return synthetic_reverse()
+            return synthetic_reverse(sequence_length(cfg) // 2, **task_sizes(sequence_length(cfg)))
         if cfg.model == "gpt2":
-            return synthetic_tokens()
+            return synthetic_tokens(context=sequence_length(cfg))
         if cfg.model == "lenet" or is_factory(cfg.model):  # (a model of yours: lenet's images)
             return synthetic_images((1, 28, 28))
         # resnet18's images: 512 to score, not 2048 (scoring 2048 took 20 s of a 24-second 3-step run here)

@@ -6,22 +6,22 @@ micro-batch, precision, optimizer, activation checkpointing), every strategy and
 implements is costed per GPU and ranked:
 
 - **memory**: model states by `distref.cost` — in fp32 the impls' own exact formulas (`replicated`,
-  `fsdp_model_states`, `zero_model_states`, `tensor_parallel_model_states`: measured equal in every impl's
-  tests, simulated equal up to 512 ranks); in mixed precision the ZeRO paper's bytes per parameter
-  (`memory.mixed_precision`, checked against the paper's table). Activations by `cost.activations` and
-  `cost.tp_activations` (exact for gpt, lenet and resnet18 in fp32 and under bf16 — 16-bit parameters
-  in mixed precision, autocast's fp32 stream and 16-bit copies under `--precision autocast` — every
-  pipeline schedule's order replayed), on CUDA's kernels (`cost.attention`: measured on the CPU's only,
-  which the rows say).
+  `fsdp_model_states`, `zero_model_states`, `tensor_parallel_model_states`, `context_parallel_cost`:
+  measured equal in every impl's tests, simulated equal up to 512 ranks); in mixed precision the ZeRO
+  paper's bytes per parameter (`memory.mixed_precision`, checked against the paper's table). Activations by
+  `cost.activations`, `cost.tp_activations` and `cost.context_parallel` (exact for gpt, lenet and resnet18
+  in fp32 and under bf16 — 16-bit parameters in mixed precision, autocast's fp32 stream and 16-bit copies
+  under `--precision autocast` — every pipeline schedule's order replayed), on CUDA's kernels
+  (`cost.attention`: measured on the CPU's only, which the rows say).
 - **communication** per step by `distref.cost`'s per-strategy functions, split by link: intra-node
-  (NVLink/PCIe) when the group's ranks share a node, inter-node otherwise (tensor parallelism innermost,
-  then the pipeline, data parallelism outermost).
+  (NVLink/PCIe) when the group's ranks share a node, inter-node otherwise (tensor or context parallelism
+  innermost, then the pipeline, data parallelism outermost).
 - **time**: compute from FLOPs (PaLM's 6N + 12·L·h·s per token, arXiv 2204.02311 App. B; ×4/3 with
   activation checkpointing) at the stated utilisation of the GPU's peak (`--mfu`); communication as bus
   bytes over the link's bandwidth (nccl-tests' convention); a pipeline's bubble by its schedule's formula.
-  Step time without overlap adds them; with overlap the data-parallel collectives hide under compute and
-  the tensor- and pipeline-parallel ones do not. Times are a model, not a measurement: `--validate` sets
-  them against runs.
+  Step time without overlap adds them; with overlap the data-parallel collectives hide under compute,
+  ring attention's hops under attention's, and the tensor- and pipeline-parallel ones and Ulysses'
+  all-to-alls do not. Times are a model, not a measurement: `--validate` sets them against runs.
 
 Rows are extrapolated where a number rests on something the tests did not measure; each says which.
 

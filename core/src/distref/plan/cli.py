@@ -80,6 +80,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     hw.add_argument("--gpus-per-node", type=positive_int)
     hw.add_argument("--tp", type=positive_int, help="only meshes of this tensor-parallel degree")
     hw.add_argument("--pp", type=positive_int, help="only meshes of this many pipeline stage ranks")
+    hw.add_argument(
+        "--cp", type=positive_int, help="only context-parallel meshes of this degree (ring and Ulysses)"
+    )
     hw.add_argument("--memory-gb", type=figure(1e9), help="memory per GPU, GB (10⁹ bytes)")
     hw.add_argument("--peak-tflops", type=figure(1e12), help="dense peak in the training's precision")
     hw.add_argument("--intra-node-gbps", type=figure(1e9), help="GB/s per GPU one way within a node")
@@ -219,13 +222,21 @@ def resolve_cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(gpu, gpus)
 
 
-def check_mesh(tp: int | None, pp: int | None, cluster: Cluster) -> None:
-    """A mesh asked for must divide the GPUs, and be one this project implements (2-D at most)."""
-    if (tp or 1) > 1 and (pp or 1) > 1:
-        raise PlanError(f"--tp {tp} with --pp {pp}: no impl here combines tensor and pipeline parallelism")
-    degree, name = (tp, "--tp") if (tp or 1) > 1 else (pp, "--pp")
-    if degree and cluster.gpus % degree:
-        raise PlanError(f"{name} {degree} does not divide the {cluster.gpus} GPUs")
+MESH_OPTIONS = {"--tp": "tensor", "--pp": "pipeline", "--cp": "context"}  # (what each splits the model by)
+
+
+def check_mesh(tp: int | None, pp: int | None, cluster: Cluster, cp: int | None = None) -> None:
+    """A mesh asked for must divide the GPUs, and be one this project implements (2-D at most: one of
+    tensor, pipeline and context parallelism beside data parallelism)."""
+    asked = {name: degree for name, degree in zip(MESH_OPTIONS, (tp, pp, cp), strict=True) if degree}
+    split = [name for name, degree in asked.items() if degree > 1]
+    if len(split) > 1:
+        given = " with ".join(f"{name} {asked[name]}" for name in split)
+        kinds = " and ".join(MESH_OPTIONS[name] for name in split)
+        raise PlanError(f"{given}: no impl here combines {kinds} parallelism")
+    for name, degree in asked.items():
+        if cluster.gpus % degree:
+            raise PlanError(f"{name} {degree} does not divide the {cluster.gpus} GPUs")
 
 
 def check_plot_path(path: Path) -> None:
@@ -303,8 +314,8 @@ def planned(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum,
         device="cpu" if args.gpu == "cpu" else "cuda",  # (whose kernels save the activations)
     )
-    check_mesh(args.tp, args.pp, cluster)
-    plan = make_plan(model, cluster, training, args.tp, args.pp)
+    check_mesh(args.tp, args.pp, cluster, args.cp)
+    plan = make_plan(model, cluster, training, args.tp, args.pp, args.cp)
     if not plan.rows:
         raise PlanError(f"no layout can run: {'; '.join(dict.fromkeys(w for _, w in plan.skipped))}")
     if args.json:

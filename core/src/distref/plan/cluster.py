@@ -79,16 +79,17 @@ class Training:
 
     def saving(self, strategy: str, gpt: GPTShape | None = None, tp: int = 1) -> Saving:
         """How this training saves its activations under `strategy` (a layout's) on a model of `gpt`'s
-        shape (None: no attention), with `tp` tensor-parallel ranks: dtypes by kind, autocast's copies,
-        SDPA's kernel (by torch's rule for the device, not this machine's GPU). In 16 bits as each impl
-        computes under --precision bf16: fsdp its policy's 16-bit parameters under autocast, deepspeed_zero
-        its 16-bit module; the others fp32 parameters under autocast (`autocast`), or, as the ZeRO paper's
-        mixed precision has it, 16-bit parameters (`mixed`)."""
+        shape (None: no attention), with `tp` tensor-parallel ranks (Ulysses' context-parallel ranks: each
+        attends with 1/C of the heads): dtypes by kind, autocast's copies, SDPA's kernel (by torch's rule
+        for the device, not this machine's GPU). In 16 bits as each impl computes under --precision bf16:
+        fsdp and context_parallel their policy's 16-bit parameters under autocast, deepspeed_zero its 16-bit
+        module; the others fp32 parameters under autocast (`autocast`), or, as the ZeRO paper's mixed
+        precision has it, 16-bit parameters (`mixed`)."""
         precision = "bf16" if self.precision in ("mixed", "autocast") else self.precision
-        family = strategy.removesuffix("-offload")
+        family = strategy.removesuffix("-offload").removesuffix("-ulysses")
         if precision != "bf16":
             parameters = "full"
-        elif family in ("fsdp", "hsdp"):
+        elif family in ("fsdp", "hsdp", "cp"):
             parameters = "16-bit under autocast"
         elif family.startswith("zero"):
             parameters = "16-bit"

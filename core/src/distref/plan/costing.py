@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from distref.cost import activations as act
+from distref.cost.context_parallel import context_parallel_cost
 from distref.cost.counts import Counts, merge
 from distref.cost.data_parallel import ddp as ddp_communication
 from distref.cost.memory import ZERO_PARTITIONS, mixed_precision, replicated
@@ -32,7 +33,7 @@ from distref.distributed.partition import choose_cut_points, part_bounds
 from distref.distributed.stages import default_stages_per_rank, schedule_problem, work_order
 from distref.impl_folders import load_train_api
 from distref.plan.cluster import GPU, RESERVED_BYTES, Cluster, Training
-from distref.plan.layouts import Layout
+from distref.plan.layouts import CONTEXT_PARALLEL, Layout
 from distref.plan.model import Model, PlanError
 from distref.simulate import IMPLS_DIR
 
@@ -43,6 +44,7 @@ ZERO_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size default (elemen
 # backward (FSDP's and ZeRO-3's gathers, ZeRO-2's reductions), "last" in the last micro-step's backward
 # (DDP's all-reduce, FSDP's reduce-scatter: gradient sync only then), "after" once the backward is done
 # (ZeRO-1's reduction at the step boundary, ZeRO's all-gather of the updated parameters): never hidden.
+# (Ring attention's hops run in "attention": each block travels while the one before it is computed.)
 PHASES = {
     "ddp": {"all_reduce": "last"},
     "zero0": {},  # (DeepSpeed's stage 0 all-reduces the gradients once the backward is done)
@@ -54,6 +56,7 @@ PHASES = {
 PHASES["hsdp"] = PHASES["fsdp"]
 K_OPTIMIZER = {"adamw": 12, "sgd": 8}  # mixed precision: fp32 master copy and the optimizer's fp32 states
 MEASURED_WORLD, SIMULATED_WORLD = 4, 512  # the largest worlds the tests run for real, and simulate
+ATTENTION_KINDS = ("send", "recv", "all_to_all")  # context parallelism's attention; FSDP2's are collectives
 
 
 @dataclasses.dataclass
@@ -232,13 +235,20 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
             "autocast: DeepSpeed casts the module to bf16 (no autocast over fp32 parameters): activations as "
             "its 16-bit parameters save them, states as fp32's"
         )
-    if model.gpt is not None and training.device == "cuda":
+    if model.gpt is not None and training.device == "cuda" and layout.strategy == "cp":
         notes.append(
-            f"activations: SDPA's {training.saving(layout.strategy, model.gpt).attention} kernel on CUDA saves "
+            "activations: ring attention saves its own q, k, v, output and log-sum-exp (no SDPA kernel); "
+            "the formulas are measured exact on the CPU, not yet on a GPU"
+        )
+    elif model.gpt is not None and training.device == "cuda":
+        # (Ulysses attends over the whole sequence with 1/C of the heads: SDPA's kernel for those)
+        saving = training.saving(layout.strategy, model.gpt, layout.tp * layout.cp)
+        notes.append(
+            f"activations: SDPA's {saving.attention} kernel on CUDA saves "
             "what torch's source says (distref.cost.attention); the formulas are measured exact on the CPU's "
             "kernels, not yet on a GPU"
         )
-    world = layout.dp * layout.tp * layout.pp
+    world = layout.dp * layout.tp * layout.pp * layout.cp
     if world > SIMULATED_WORLD:
         notes.append(
             f"world {world}: formulas simulated up to {SIMULATED_WORLD} ranks, measured up to {MEASURED_WORLD}"
@@ -249,7 +259,15 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     slowdown, worst_rank = 0.0, None  # a pipeline's time over the ideal: its bubble, its slowest rank
     b, k = micro_steps(training, layout.dp)
     # (by strategy, not by mesh: tensor parallelism of degree 1 and a one-part model_parallel are theirs)
-    if layout.strategy not in ("tp", "model_parallel") and not layout.strategy.startswith("pp-"):
+    if layout.strategy in CONTEXT_PARALLEL:
+        states, activations, cp_counts, dp_counts = context_parallel_costs(layout, model, training, b, k)
+        # the ring's hops hide under attention's compute; Ulysses' all-to-alls wait for what they carry
+        phase = "attention" if layout.strategy == "cp" else "after"
+        merge_into(timed.setdefault((phase, cluster.link(layout.cp)), {}), cp_counts)
+        for kind, entry in dp_counts.items():  # FSDP2 over every rank, the groups' and the slices' alike
+            key = (PHASES["fsdp"].get(kind, "after"), cluster.link(layout.dp * layout.cp))
+            merge_into(timed.setdefault(key, {}), {kind: entry})
+    elif layout.strategy not in ("tp", "model_parallel") and not layout.strategy.startswith("pp-"):
         strategy = layout.strategy.removesuffix("-offload")
         states, cpu_bytes = data_parallel_states(layout, model, training, k)
         activations = whole_model_activations(model, b, training, layout.strategy)
@@ -288,7 +306,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     total = states_total + (activations or 0)
     usable = cluster.gpu.memory_bytes - RESERVED_BYTES
     communication = {"intra_node": 0.0, "inter_node": 0.0}
-    seconds = {"steps": 0.0, "last": 0.0, "after": 0.0}
+    seconds = {"attention": 0.0, "steps": 0.0, "last": 0.0, "after": 0.0}
     for (phase, link), counts in timed.items():
         communication[link] += bus(counts)
         seconds[phase] += bus(counts) / cluster.bandwidth(link)
@@ -298,13 +316,17 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     tokens, bound_by = None, None
     if compute_s is not None:
         compute_s = compute_s / (peak(cluster.gpu, training.precision) * training.mfu) * (1 + slowdown)
-        # what hides under compute: the last micro-step's backward (2/3 of its FLOPs) for what runs there,
-        # the rest of the step for what may run in any micro-step; nothing for what runs after
+        # what hides under compute: causal attention's for the ring's hops, the last micro-step's backward
+        # (2/3 of its FLOPs) for what runs there, the rest of the step for what may run in any micro-step;
+        # nothing for what runs after
+        hidden_attention = min(seconds["attention"], compute_s * attention_share(model))
         hidden_last = min(seconds["last"], compute_s * 2 / 3 / k)
-        hidden_steps = min(seconds["steps"], compute_s - hidden_last)
-        step = {"no_overlap": compute_s + comm_s, "overlap": compute_s + comm_s - hidden_last - hidden_steps}
+        hidden_steps = min(seconds["steps"], compute_s - hidden_last - hidden_attention)
+        overlap = compute_s + comm_s - hidden_last - hidden_steps - hidden_attention
+        step = {"no_overlap": compute_s + comm_s, "overlap": overlap}
         tokens = training.global_batch * model.tokens_per_sample / step["overlap"] / world
         exposed = {
+            "attention": seconds["attention"] - hidden_attention,
             "steps": seconds["steps"] - hidden_steps,
             "last": seconds["last"] - hidden_last,
             "after": seconds["after"],
@@ -377,6 +399,60 @@ def step_flops(model: Model, training: Training, world: int) -> float | None:
         return None
     recompute = 4 / 3 if training.checkpointing else 1
     return model.flops_per_sample * training.global_batch * recompute / world
+
+
+def attention_share(model: Model) -> float:
+    """The share of a step's compute that is causal attention's (0 for a model without one): half of
+    PaLM's 12·L·h·s FLOPs per token, which count every key for every query; a causal query meets the keys
+    before it, and the ring's load-balanced hops compute half a block each."""
+    if model.gpt is None or not model.flops_per_sample:
+        return 0.0
+    shape = model.gpt
+    return 6 * shape.layers * shape.hidden * shape.seq * model.tokens_per_sample / model.flops_per_sample
+
+
+def context_parallel_costs(layout: Layout, model: Model, training: Training, b: int, k: int):
+    """impls/context_parallel (gpt's sequences split over cp ranks, ring or Ulysses; FSDP2 over all dp × cp
+    ranks), by distref.cost.context_parallel: rank 0's model states (the fullest shard, with gradients
+    whole while micro-steps accumulate), activations (s/C tokens), and the attention's and FSDP2's traffic
+    apart."""
+    shape, e, world = model.gpt, training.element_bytes, layout.dp * layout.cp
+    predicted = context_parallel_cost(
+        mode="ulysses" if layout.strategy == "cp-ulysses" else "ring",
+        cp=layout.cp,
+        dp_shard=layout.dp,
+        shard_rank=0,
+        layers=shape.layers,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        vocabulary=shape.vocab,
+        sequence=shape.seq,
+        micro_batch=b,
+        grad_accum=k,
+        optimizer=training.optimizer,
+        # 16 bits as the impl computes under --precision bf16: FSDP2 gathers 16-bit parameters and
+        # reduce-scatters fp32 gradients; the ring's key/value gradients travel in fp32
+        precision="bf16" if training.precision in ("mixed", "autocast") else training.precision,
+        element_bytes=e,
+        step_bytes=4,
+        activation_checkpointing=training.checkpointing,
+        device=training.device,
+    )
+    states: dict[str, float] = dict(predicted.model_states)
+    if training.precision == "mixed":
+        states = mixed_precision(
+            model.parameters,
+            parameters_over=world,
+            gradients_over=world,
+            optimizer_over=world,
+            k=K_OPTIMIZER[training.optimizer],
+        )
+    if k > 1:  # (as impls/fsdp: gradient sync in the last micro-step only, whole gradients until then)
+        states["gradients"] = model.parameters * e
+    communication = predicted.communication
+    attention = {kind: entry for kind, entry in communication.items() if kind in ATTENTION_KINDS}
+    sharded = {kind: entry for kind, entry in communication.items() if kind not in ATTENTION_KINDS}
+    return states, predicted.activations, attention, sharded
 
 
 def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: int, k: int):

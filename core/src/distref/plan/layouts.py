@@ -11,17 +11,22 @@ from distref.plan.model import Model
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev")
 # every GPU a replica of the model's work, what they share partitioned: DDP, DeepSpeed ZeRO, FSDP2
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload", "zero3-offload", "fsdp")
+# impls/context_parallel's attention over the ranks that split each sequence: ring (its default), Ulysses
+CONTEXT_PARALLEL = ("cp", "cp-ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A strategy on a mesh, as the impls lay it out: tensor parallelism over the innermost ranks, then the
-    pipeline's stages, data parallelism outermost."""
+    """A strategy on a mesh, as the impls lay it out: tensor (or context) parallelism over the innermost
+    ranks, then the pipeline's stages, data parallelism outermost."""
 
-    strategy: str  # ddp, zero1-3, zero*-offload, fsdp, hsdp, tp, pp-<schedule>, model_parallel
-    dp: int = 1  # data-parallel ranks (for hsdp: shard × replicas)
+    strategy: (
+        str  # ddp, zero1-3, zero*-offload, fsdp, hsdp, tp, cp, cp-ulysses, pp-<schedule>, model_parallel
+    )
+    dp: int = 1  # data-parallel ranks (for hsdp: shard × replicas; for cp: groups of cp ranks)
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # ranks that split each sequence
     shard: int = 1  # hsdp's shard group
     # A pipeline as a run laid it out (--validate): its stages per rank and --partition; None: the
     # schedule's default and the balanced cut
@@ -34,8 +39,10 @@ class Layout:
         # in one process)
         tp = self.tp > 1 or self.strategy == "tp"
         pp = self.pp > 1 or self.strategy == "model_parallel" or self.strategy.startswith("pp-")
-        parts = [f"dp{self.dp}"] if self.dp > 1 or not (tp or pp) else []
+        cp = self.cp > 1 or self.strategy in CONTEXT_PARALLEL
+        parts = [f"dp{self.dp}"] if self.dp > 1 or not (tp or pp or cp) else []
         parts += [f"tp{self.tp}"] if tp else []
+        parts += [f"cp{self.cp}"] if cp else []
         parts += [f"pp{self.pp}"] if pp else []
         text = "×".join(parts)
         if self.strategy == "hsdp":
@@ -53,13 +60,16 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def layouts(
-    model: Model, cluster: Cluster, tp: int | None = None, pp: int | None = None
+    model: Model, cluster: Cluster, tp: int | None = None, pp: int | None = None, cp: int | None = None
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
-    """Every strategy and mesh a user would try on `cluster` (powers of two per dimension; only a tensor-
-    or pipeline-parallel degree `tp` / `pp` where one is given), and what was skipped, with why."""
+    """Every strategy and mesh a user would try on `cluster` (powers of two per dimension; only a tensor-,
+    pipeline- or context-parallel degree `tp` / `pp` / `cp` where one is given), and what was skipped,
+    with why."""
     g, per_node = cluster.gpus, cluster.gpu.gpus_per_node
     found: list[Layout] = []
     skipped: list[tuple[str, str]] = []
+    if cp not in (None, 1):  # (one degree is asked for at most: distref.plan.cli.check_mesh)
+        return context_parallel_layouts(model, g, [cp])
     if tp in (None, 1) and pp in (None, 1) and g == 1:
         found += [
             Layout(strategy, dp=1)
@@ -74,8 +84,10 @@ def layouts(
             found.append(Layout("hsdp", dp=g, shard=per_node))
         else:
             skipped.append(("hsdp", "one node: HSDP's replicas would be FSDP's shards"))
-    if g & (g - 1) and tp is None and pp is None:
-        skipped.append(("tp, pp", f"{g} GPUs is not a power of two: meshes are searched in powers of two"))
+    if g & (g - 1) and tp is None and pp is None and cp is None:
+        skipped.append(
+            ("tp, cp, pp", f"{g} GPUs is not a power of two: meshes are searched in powers of two")
+        )
         return found, skipped
     if model.gpt is None:
         skipped.append(("tp", "tensor parallelism needs a decoder's shape (--model 125m … 70b)"))
@@ -113,4 +125,35 @@ def layouts(
                 found.append(Layout(f"pp-{schedule}", dp=g // degree, pp=degree))
         if degree == g and degree <= blocks:
             found.append(Layout("model_parallel", pp=degree))
+    if tp is None and pp is None and cp is None:
+        more, why = context_parallel_layouts(model, g, powers_of_two(g)[1:])
+        found += more
+        skipped += why
+    return found, skipped
+
+
+def context_parallel_layouts(
+    model: Model, gpus: int, degrees: list[int]
+) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """impls/context_parallel on `gpus`, each degree C of `degrees` (C ranks split each sequence, gpus / C
+    groups of them): ring attention where the sequence cuts into 2C chunks (its load-balanced split),
+    Ulysses where C divides the heads and the sequence. Beyond a node too: the ring's hops then cross
+    nodes (what sequences too long for one node's GPUs need). What is skipped, with why."""
+    if model.gpt is None:
+        return [], [("cp", "context parallelism splits a decoder's sequences (--model 125m … 70b)")]
+    found, skipped = [], []
+    seq, heads = model.gpt.seq, model.gpt.heads
+    for degree in degrees:
+        if seq % (2 * degree):
+            skipped.append(
+                (f"cp{degree}", f"ring attention cuts the {seq} positions into 2C chunks: not evenly")
+            )
+        else:
+            found.append(Layout("cp", dp=gpus // degree, cp=degree))
+        if heads % degree:
+            skipped.append((f"cp{degree}-ulysses", f"must divide the {heads} attention heads"))
+        elif seq % degree:
+            skipped.append((f"cp{degree}-ulysses", f"Ulysses splits the {seq} positions: not evenly"))
+        else:
+            found.append(Layout("cp-ulysses", dp=gpus // degree, cp=degree))
     return found, skipped

@@ -6,7 +6,7 @@ import dataclasses
 
 from distref.plan.cluster import RESERVED_BYTES, Cluster, Training
 from distref.plan.costing import Row, cost
-from distref.plan.layouts import layouts
+from distref.plan.layouts import CONTEXT_PARALLEL, layouts
 from distref.plan.model import Model, PlanError
 
 
@@ -19,15 +19,21 @@ class Plan:
     training: Training
     rows: list[Row]  # ranked: fitting rows by tokens/s per GPU, then the rest by memory
     skipped: list[tuple[str, str]]
-    tp: int | None = None  # the degrees asked for (--tp, --pp), if any
+    tp: int | None = None  # the degrees asked for (--tp, --pp, --cp), if any
     pp: int | None = None
+    cp: int | None = None
 
     def smallest_cluster(self, limit: int = 2**16) -> tuple[int, Row] | None:
         """Where nothing fits: the fewest GPUs (doubling) on which something would, and its best row."""
         gpus = self.cluster.gpus * 2
         while gpus <= limit:
             bigger = make_plan(
-                self.model, dataclasses.replace(self.cluster, gpus=gpus), self.training, self.tp, self.pp
+                self.model,
+                dataclasses.replace(self.cluster, gpus=gpus),
+                self.training,
+                self.tp,
+                self.pp,
+                self.cp,
             )
             if bigger.rows and bigger.rows[0].fits:
                 return gpus, bigger.rows[0]
@@ -36,11 +42,16 @@ class Plan:
 
 
 def make_plan(
-    model: Model, cluster: Cluster, training: Training, tp: int | None = None, pp: int | None = None
+    model: Model,
+    cluster: Cluster,
+    training: Training,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int | None = None,
 ) -> Plan:
-    """Every layout (only those of tensor- or pipeline-parallel degree `tp` / `pp` where given) costed
-    and ranked."""
-    found, skipped = layouts(model, cluster, tp, pp)
+    """Every layout (only those of tensor-, pipeline- or context-parallel degree `tp` / `pp` / `cp` where
+    given) costed and ranked."""
+    found, skipped = layouts(model, cluster, tp, pp, cp)
     rows = []
     for layout in found:
         try:
@@ -51,7 +62,9 @@ def make_plan(
     usable = cluster.gpu.memory_bytes - RESERVED_BYTES
     for row in rows:
         row.why = explain(row, usable, cluster)
-    return Plan(model, cluster, training, rows, skipped, tp, pp)
+        if row.strategy in CONTEXT_PARALLEL and row.fits:
+            row.why = context_parallel_why(row, rows, model.gpt.seq)
+    return Plan(model, cluster, training, rows, skipped, tp, pp, cp)
 
 
 def rank_key(row: Row) -> tuple:
@@ -84,12 +97,41 @@ def explain(row: Row, usable: float, cluster: Cluster) -> str:
     exposed = row.exposed
     if exposed and exposed["exposed_s"] > 0.01 * row.compute_s:
         where = "across nodes" if exposed["link"] == "inter_node" else "within the node"
-        when = {"after": "not overlapped", "last": "in the last backward", "steps": "beyond the compute"}
+        when = {
+            "after": "not overlapped",
+            "last": "in the last backward",
+            "steps": "beyond the compute",
+            "attention": "beyond attention's compute",
+        }
         return (
             f"communication-bound: {gb(exposed['bytes'])} {where} {when[exposed['phase']]} adds "
             f"{exposed['exposed_s']:.2f} s to {row.compute_s:.2f} s of compute; {room}"
         )
     return f"compute-bound: {gb(moved)} of communication hides under {row.compute_s:.2f} s of compute; {room}"
+
+
+def context_parallel_why(row: Row, rows: list[Row], seq: int) -> str:
+    """A fitting context-parallel row's why, and what it holds against the others: the only kind that fits
+    (each GPU keeps 1/C of every sequence's activations), or faster than the best tensor-parallel row
+    (whose collectives in every layer are exposed; the ring's hops hide under attention)."""
+    cp = row.layout.cp
+    held = f"1/{cp} of each {seq:,}-token sequence per GPU"
+    if not any(other.fits and other.strategy not in CONTEXT_PARALLEL for other in rows):
+        return f"only context parallelism fits ({held}): {row.why}"
+    tp = next((other for other in rows if other.fits and other.strategy == "tp"), None)
+    faster = tp is not None and row.tokens_per_s_per_gpu and tp.tokens_per_s_per_gpu
+    if faster and row.tokens_per_s_per_gpu > tp.tokens_per_s_per_gpu:
+        gain = row.tokens_per_s_per_gpu / tp.tokens_per_s_per_gpu - 1
+        return (
+            f"{row.why}; {held}; {gain:.0%} faster than tp {tp.mesh} (communication exposed: "
+            f"{exposed_s(row):.2f} s, tp's {exposed_s(tp):.2f} s)"
+        )
+    return f"{row.why}; {held}"
+
+
+def exposed_s(row: Row) -> float:
+    """Seconds a row's communication adds to its step (beyond what hides under compute)."""
+    return max(0.0, row.step_s["overlap"] - row.compute_s)  # (0, not a rounding error's -0.00)
 
 
 def gb(n: float | None) -> str:

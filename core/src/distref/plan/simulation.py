@@ -7,7 +7,7 @@ import sys
 
 from distref.plan.cluster import GiB
 from distref.plan.costing import Row, cost
-from distref.plan.layouts import Layout
+from distref.plan.layouts import CONTEXT_PARALLEL, Layout
 from distref.plan.ranking import Plan, gb
 
 REAL_TENSORS_LIMIT = 2 * GiB  # model states a simulation on real tensors (DDP, DeepSpeed) may build here
@@ -21,6 +21,9 @@ def simulation_of(layout: Layout, row: Row) -> tuple[str, list[str]] | str:
         return "fsdp", ["--hsdp", str(layout.dp // layout.shard)]  # (--hsdp R: the replicas)
     if layout.strategy == "tp":
         return "tensor_parallel", ["--tp", str(layout.tp), "--dp-shard", str(layout.dp)]
+    if layout.strategy in CONTEXT_PARALLEL:
+        mode = "ulysses" if layout.strategy == "cp-ulysses" else "ring"
+        return "context_parallel", ["--cp", str(layout.cp), "--dp-shard", str(layout.dp), "--cp-mode", mode]
     if layout.strategy in ("zero1", "zero2", "zero3"):
         return "deepspeed_zero", ["--zero-stage", layout.strategy[-1]]
     if layout.strategy.startswith("pp-"):
@@ -56,7 +59,7 @@ def simulate_row(plan: Plan, row: Row) -> str:
             f"{impl} runs on real tensors in a simulation (distref.simulate says why): "
             f"{gb(16 * plan.model.parameters)} of them is too much to build here; --simulate N picks another row"
         )
-    world = layout.dp * layout.tp * layout.pp
+    world = layout.dp * layout.tp * layout.pp * layout.cp
     excepthook = sys.excepthook  # (its process group wraps it, to prefix "[rank0]:" to every line)
     try:
         run = simulate(

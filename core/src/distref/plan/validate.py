@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distref.config import FactoryError, RunConfig, is_factory
+from distref.config import GPT_MODELS, FactoryError, RunConfig, is_factory
 from distref.data import DataError, DatasetInfo
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.distributed.stages import default_stages_per_rank
 from distref.plan.cluster import DEFAULT_MFU, GPU, GPUS, Cluster, Training
 from distref.plan.costing import cost, peak, step_flops
-from distref.plan.layouts import Layout
+from distref.plan.layouts import CONTEXT_PARALLEL, Layout
 from distref.plan.model import Model, PlanError, custom_model, project_model
 
 IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its options)
@@ -29,6 +29,7 @@ IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its
     ),
     "deepspeed_zero": lambda world, o: Layout(f"zero{o['zero_stage']}", dp=world),
     "tensor_parallel": lambda world, o: tensor_parallel_layout(world, o.get("dp_shard"), o.get("tp")),
+    "context_parallel": lambda world, o: context_parallel_layout(world, o),
     "pipeline": lambda world, o: Layout(
         f"pp-{o['schedule']}",
         dp=o["dp"],
@@ -67,18 +68,31 @@ def tensor_parallel_layout(world: int, dp: int | None, tp: int | None) -> Layout
     return Layout("tp", dp=dp or max(1, world // tp), tp=tp)
 
 
+def context_parallel_layout(world: int, options: dict[str, Any]) -> Layout:
+    """impls/context_parallel's mesh (its `mesh_shape`: the degree not given fills the world; neither
+    given, one context-parallel group) and attention (--cp-mode)."""
+    dp, cp = options.get("dp_shard"), options.get("cp")
+    if cp is None:
+        dp = dp or 1
+        cp = max(1, world // dp)
+    else:
+        dp = dp or max(1, world // cp)
+    return Layout("cp-ulysses" if options.get("cp_mode") == "ulysses" else "cp", dp=dp, cp=cp)
+
+
 def dataset_info(config: dict[str, Any]) -> DatasetInfo:
     """The DatasetInfo a run's model was built for, from its record's config: a named dataset's without
     reading it; a text file's or a dataset of yours read again (DataError where it is gone)."""
     from distref.data.datasets import NAMED_DATASET_SAMPLES, sample_batch
 
     model, dataset = config["model"], config["dataset"]
-    if dataset == "synthetic" and model in ("gpt", "gpt2", "resnet18"):  # (synthetic makes each its inputs)
-        return (
-            PROJECT_DATASETS[model]
-            if model != "resnet18"
-            else DatasetInfo("synthetic", 10, (3, 32, 32), "image")
-        )
+    if dataset == "synthetic" and model in GPT_MODELS:  # (synthetic makes each its inputs)
+        # --sequence-length (core 0.18.0 on): the tokens of each sequence, else the task's own
+        sequence = config.get("sequence_length")
+        info = PROJECT_DATASETS[model]
+        return dataclasses.replace(info, input_shape=(sequence,)) if sequence else info
+    if dataset == "synthetic" and model == "resnet18":
+        return DatasetInfo("synthetic", 10, (3, 32, 32), "image")
     if dataset in NAMED_DATASET_SAMPLES:
         return NAMED_DATASET_SAMPLES[dataset]
     fields = {f.name for f in dataclasses.fields(RunConfig)}
@@ -150,7 +164,11 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
                 "within 0.2% at stage 3, 10-20% at stages 1-2; the record's own formula is exact)"
                 if precision == "mixed"
                 else "fp32 states, 16-bit compute under autocast"
-                + (" (FSDP2's policy: 16-bit parameters and inputs)" if impl == "fsdp" else "")
+                + (
+                    " (FSDP2's policy: 16-bit parameters and inputs)"
+                    if impl in ("fsdp", "context_parallel")
+                    else ""
+                )
             )
         )
     elif precision not in ("fp32", "fp64"):
@@ -159,6 +177,11 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         return {
             "impl": impl,
             "skipped": f"--model {config['model']}: tensor parallelism by a tp_plan has no formula (gpt's only)",
+        }
+    if impl == "context_parallel" and config["model"] not in GPT_MODELS:  # (its check refuses others)
+        return {
+            "impl": impl,
+            "skipped": f"--model {config['model']}: context parallelism splits gpt's sequences",
         }
     if impl == "model_parallel" and options.get("devices"):
         notes.append(f"--devices {options['devices']}: one process holds every part; planned as one part")
@@ -191,7 +214,7 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         option: planned for option, planned in defaults.items() if options.get(option, planned) != planned
     }
     if (
-        row.strategy in ("fsdp", "hsdp", "tp")
+        row.strategy in ("fsdp", "hsdp", "tp", *CONTEXT_PARALLEL)
         and row.grad_accum > 1
         and (row.strategy != "tp" or row.layout.dp > 1)
     ):

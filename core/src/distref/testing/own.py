@@ -62,6 +62,16 @@ def example_data() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
 
 
+def example_tokens() -> tuple[TensorDataset, TensorDataset]:
+    """Token sequences of yours, for --model gpt: 20 tokens of 10 kinds, each target the next token, the
+    second half of a sequence repeating its first (a copy task, 10 tokens back)."""
+    g = torch.Generator().manual_seed(0)
+    half = torch.randint(0, 10, (576, 11), generator=g)
+    tokens = torch.cat([half, half[:, :10]], dim=1)  # 21 tokens: inputs 0..19, targets 1..20
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
+
+
 EXAMPLE_MODEL, EXAMPLE_DATASET = f"{__name__}:example_mlp", f"{__name__}:example_data"
 
 

@@ -164,7 +164,10 @@ def load_checkpoint(
     saved, current = {**defaults, **options(state.get("config", {}))}, options(cfg.to_dict())
     different = [k for k in MUST_MATCH if defining_value(saved, k) != defining_value(current, k)]
     if different:
-        diffs = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} vs {current[k]}" for k in different)
+        diffs = ", ".join(
+            f"--{k.replace('_', '-')} {defining_value(saved, k)} vs {defining_value(current, k)}"
+            for k in different
+        )
         raise CheckpointError(f"checkpoint {path} is from a different run ({diffs})")
     if "model" in state and (changed := own_model_changed(cfg.model, state["model"])):
         raise CheckpointError(

@@ -42,9 +42,10 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def record_held_shapes(model: nn.Module) -> dict[str, list[int]]:
-    """Filled by gpt's first forward under tensor parallelism: the shape of what this rank holds of the
-    activations between blocks (sequence parallel: 1/T of the sequence) and of the logits (loss parallel:
-    1/T of the vocabulary). Each hook removes itself once it has looked: nothing runs in later steps."""
+    """Filled by gpt's first forward under tensor or context parallelism: the shape of what this rank
+    holds of the activations between blocks (sequence or context parallel: 1/T or 1/C of the sequence)
+    and of the logits (loss parallel: 1/T of the vocabulary; context parallel: 1/C of the sequence).
+    Each hook removes itself once it has looked: nothing runs in later steps."""
     shapes: dict[str, list[int]] = {}
     handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
     if hasattr(model, "tp_plan"):  # a model of yours: no gpt blocks to look at
