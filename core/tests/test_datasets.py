@@ -147,8 +147,8 @@ def test_sequence_length_sets_text_blocks_and_gpt2s_context(tmp_path):
     )
     assert train.x.shape[1] == 100 and info.input_shape == (100,)
     assert torch.equal(train.y[0, :-1], train.x[0, 1:])
-    _, _, info = load_dataset(RunConfig(model="gpt2", dataset="synthetic", sequence_length=128))
-    assert info.input_shape == (128,)
+    train, _, info = load_dataset(RunConfig(model="gpt2", dataset="synthetic", sequence_length=128))
+    assert info.input_shape == (128,) and train.x.shape == (8192, 128)  # GPT-2's 1,024 × 1024 tokens
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ from torch.utils.data import TensorDataset
 from distref.config import (
     GPT2_CONTEXT,
     GPT2_VOCABULARY,
-    GPT_MODELS,
     GPT_TASK_SEQUENCE,
     TEXT_BLOCK,
     FactoryError,
@@ -125,6 +124,12 @@ def synthetic_tokens(
     x, y = tokens[:, :-1], tokens[:, 1:]
     info = DatasetInfo("synthetic", vocabulary, (context,), "sequence")
     return TensorData(x[:n_train], y[:n_train]), TensorData(x[n_train:], y[n_train:]), info
+
+
+def gpt2_token_sequences(context: int) -> int:
+    """Training sequences of gpt2's random tokens at `context` tokens: 1,024 at GPT-2's 1024, as many
+    tokens in all at another length, at least 64."""
+    return max(64, SYNTHETIC_TRAIN_SIZES["gpt2"] * GPT2_CONTEXT // context)
 
 
 SEPARATOR = 10  # token between a digit string and its reversal
@@ -407,8 +412,10 @@ def train_set_size(cfg: RunConfig) -> int:
         return len(own_dataset(cfg.dataset)[0])
     if cfg.dataset == "masked" or (cfg.dataset == "synthetic" and cfg.model == "gpt"):
         return task_sizes(sequence_length(cfg))["n_train"]
+    if cfg.dataset == "synthetic" and cfg.model == "gpt2":
+        return gpt2_token_sequences(sequence_length(cfg))
     if cfg.dataset == "synthetic":
-        return SYNTHETIC_TRAIN_SIZES[cfg.model if cfg.model in GPT_MODELS else "image"]
+        return SYNTHETIC_TRAIN_SIZES["image"]
     if cfg.dataset == "text":
         block = text_block_size(cfg.model, cfg.sequence_length)
         return text_train_size(len(read_text(Path(cfg.data_root), block)), block)
@@ -528,7 +535,7 @@ def _load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
         if cfg.model == "gpt":
             return synthetic_reverse(sequence_length(cfg) // 2, **task_sizes(sequence_length(cfg)))
         if cfg.model == "gpt2":
-            return synthetic_tokens(context=sequence_length(cfg))
+            return synthetic_tokens(gpt2_token_sequences(sequence_length(cfg)), context=sequence_length(cfg))
         if cfg.model == "lenet" or is_factory(cfg.model):  # (a model of yours: lenet's images)
             return synthetic_images((1, 28, 28))
         # resnet18's images: 512 to score, not 2048 (scoring 2048 took 20 s of a 24-second 3-step run here)
