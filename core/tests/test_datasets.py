@@ -175,3 +175,24 @@ def test_a_sequence_length_the_data_cannot_take_is_one_line(options, message):
     from distref.cli import validate
 
     assert validate(RunConfig(**options)) == message
+
+
+def test_a_sequence_length_whose_data_outgrows_the_memory_is_one_line(monkeypatch):
+    """--sequence-length 10,000,000: 80 sequences of inputs and targets, 12.8 GB a process, was made by
+    every rank and killed it (or never finished) after the ranks started. Refused before, saying why,
+    counting the processes on this machine (torchrun's local ranks where it says)."""
+    from distref.cli import validate
+    from distref.data import datasets
+
+    monkeypatch.setattr(datasets, "physical_memory", lambda: 24 * 10**9)
+    message = validate(RunConfig(model="gpt", dataset="synthetic", sequence_length=10**7), world_size=2)
+    assert message == (
+        "--sequence-length 10000000: 2 process(es) here would each make 12.8 GB of token sequences (at least "
+        "64 of them), more than this machine's 24.0 GB of memory: give a shorter length, or --dataset text"
+    )
+    long = RunConfig(model="gpt", dataset="synthetic", sequence_length=10**7)
+    monkeypatch.setattr(datasets, "physical_memory", lambda: 20 * 10**9)
+    assert datasets.sequence_length_problem(long, 1) is None  # one process of 12.8 GB fits 20 GB
+    assert "2 process(es)" in datasets.sequence_length_problem(long, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # (torchrun's: the ranks on this node, not the world)
+    assert datasets.sequence_length_problem(long, 8) is None

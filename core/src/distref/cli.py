@@ -346,7 +346,9 @@ def parse_config(
         world_size = launch["nproc_per_node"] or default_ranks(cfg)
         cfg = dataclasses.replace(cfg, launch=Launch(world_size, launch["max_restarts"]))
     shards = (world_size or 1) if splits_batch else 1
-    problem = validate(cfg, shards, cuts_model) or (check(cfg, world_size or 1) if check else None)
+    problem = validate(cfg, shards, cuts_model, processes=world_size or 1) or (
+        check(cfg, world_size or 1) if check else None
+    )
     if not problem and distributed and not checking and not (one_process and one_process(cfg)):
         problem = gpus_problem(cfg, world_size or 1)  # (checked by each node's ranks when checking)
     if problem:
@@ -406,9 +408,12 @@ def default_ranks(cfg: RunConfig) -> int:
     return max(1, torch.cuda.device_count()) if uses_cuda(cfg) else 2
 
 
-def validate(cfg: RunConfig, world_size: int = 1, cuts_model: bool = False) -> str | None:
-    """Return a one-line description of what is wrong with `cfg`, or None. `cuts_model`: the impl cuts
-    the model between its blocks (model_parallel, pipeline)."""
+def validate(
+    cfg: RunConfig, world_size: int = 1, cuts_model: bool = False, processes: int | None = None
+) -> str | None:
+    """Return a one-line description of what is wrong with `cfg`, or None. `world_size`: the ranks the
+    batch is split over; `processes`: the ranks in all (default `world_size`), each making its own data.
+    `cuts_model`: the impl cuts the model between its blocks (model_parallel, pipeline)."""
     import torch  # local: the parser itself must stay importable without torch for quick CLI errors
 
     if cfg.gpt_layers != 2 and cfg.model != "gpt":
@@ -419,7 +424,7 @@ def validate(cfg: RunConfig, world_size: int = 1, cuts_model: bool = False) -> s
         return f"--model {cfg.model} does not train on --dataset {cfg.dataset} (use one of: {allowed})"
     if own_code and cfg.dataset != "text" and (problem := own_code_problem(cfg, cuts_model)):
         return problem  # (text: checked below, once the file is known to be there)
-    if problem := sequence_length_problem(cfg):
+    if problem := sequence_length_problem(cfg, processes or world_size):
         return problem
     shards = world_size * cfg.grad_accum
     if cfg.global_batch_size % shards:

@@ -450,3 +450,15 @@ def test_on_gpus_matches_single_and_bf16_runs(mode, single_train, tmp_path):
     run_cp(2, [*args, "--precision", "bf16", "--out", str(tmp_path / "bf16")])
     record = json.loads((tmp_path / "bf16" / "record.json").read_text())
     assert record["status"] == "completed" and all(s["loss"] is not None for s in record["steps"])
+
+
+def test_a_sequence_whose_data_outgrows_the_memory_is_refused_counting_every_rank(monkeypatch, capsys):
+    """10,000,000 tokens: every rank makes 12.8 GB of sequences (it reads its group's whole batch, then
+    keeps its slice). Two ranks on a machine of 24 GB: one line, exit 2, before any rank, though each rank
+    holds 1/C of each sequence (the batch is not split over them: the data is still made whole)."""
+    from distref.data import datasets
+
+    monkeypatch.setattr(datasets, "physical_memory", lambda: 24 * 10**9)
+    with pytest.raises(SystemExit) as exc:
+        load_train_module(IMPL).parse_options([*GPT, "--sequence-length", "10000000"], 2)
+    assert exc.value.code == 2 and "2 process(es) here would each make 12.8 GB" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -452,8 +453,27 @@ def sequence_length(cfg: RunConfig) -> int | None:
     return default if default is None or cfg.sequence_length is None else cfg.sequence_length
 
 
-def sequence_length_problem(cfg: RunConfig) -> str | None:
-    """Why --sequence-length does not fit the run's data (a line), or None."""
+def made_token_bytes(cfg: RunConfig) -> int:
+    """Bytes of the token sequences a process makes for gpt's tasks or gpt2's random tokens (inputs and
+    targets, int64; 0 for data that is read, not made)."""
+    n = sequence_length(cfg)
+    if cfg.dataset in ("synthetic", "masked") and cfg.model == "gpt":
+        sizes = task_sizes(n)
+        return (sizes["n_train"] + sizes["n_test"]) * n * 2 * 8
+    if cfg.dataset == "synthetic" and cfg.model == "gpt2":
+        return (gpt2_token_sequences(n) + 16) * (n + 1) * 8
+    return 0
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def sequence_length_problem(cfg: RunConfig, world_size: int = 1) -> str | None:
+    """Why --sequence-length does not fit the run's data (a line), or None. The sequences gpt's tasks make
+    (at least 64 of N tokens) are made by every rank on this machine (`world_size`, or torchrun's local
+    ranks): more than its memory is refused, where it would be killed, or swap, after starting."""
     if cfg.sequence_length is None:
         return None
     if default_sequence_length(cfg.model, cfg.dataset) is None:  # (images; a dataset of yours: its own)
@@ -465,6 +485,13 @@ def sequence_length_problem(cfg: RunConfig) -> str | None:
         return (
             f"--sequence-length {cfg.sequence_length}: gpt's {cfg.dataset} task is digits, a separator and "
             "the digits reversed, 2 × digits tokens in all: give an even length"
+        )
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if (made := made_token_bytes(cfg) * local_ranks) > (memory := physical_memory()):
+        return (
+            f"--sequence-length {cfg.sequence_length}: {local_ranks} process(es) here would each make "
+            f"{made // local_ranks / 1e9:.1f} GB of token sequences (at least 64 of them), more than this "
+            f"machine's {memory / 1e9:.1f} GB of memory: give a shorter length, or --dataset text"
         )
     return None
 
