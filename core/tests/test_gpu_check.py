@@ -33,7 +33,7 @@ def names(jobs) -> list[str]:
 def test_one_gpu_runs_what_fits_and_says_what_needs_two(gpu_check, tmp_path):
     jobs, not_run = gpu_check.plan_jobs(gpus=1, device="cuda", out=tmp_path, steps=40)
     skipped = dict(not_run)
-    for impl in ("pipeline", "model_parallel", "tensor_parallel", "context_parallel"):
+    for impl in ("pipeline", "model_parallel", "tensor_parallel", "context_parallel", "expert_parallel"):
         assert skipped[f"{impl}-gpu"] == "needs 2 GPUs, 1 visible"
         assert f"{impl}-gpu" not in names(jobs)
     sessions = [j.name for j in jobs if j.group == "session"]

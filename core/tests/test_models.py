@@ -141,3 +141,143 @@ def test_gpt_layers_sets_the_depth():
     assert choose_cut_points(named_block_sizes("gpt"), None, 8, "gpt")[1] == (
         "8 parts but --model gpt has only 4 blocks (gpt has --gpt-layers + 2: use --gpt-layers 6)"
     )
+
+
+# ---- gpt as a mixture of experts (--experts) -----------------------------------------------------------
+
+TOKENS = DatasetInfo("synthetic", 11, (16,), "sequence")
+
+
+def moe_gpt(experts: int = 4, top_k: int = 2, sequences: int = 8, dtype=torch.float64):
+    from distref.config import MoEConfig
+
+    torch.manual_seed(0)
+    return build_model("gpt", TOKENS, 2, dtype, MoEConfig(experts, top_k, 0.01, sequences))
+
+
+def test_moe_gpt_has_experts_in_each_block_under_names_every_impl_shares():
+    model = moe_gpt()
+    names = {n: tuple(p.shape) for n, p in model.named_parameters() if "mlp" in n}
+    assert names == {
+        f"block{i}.mlp.{n}": shape
+        for i in range(2)
+        for n, shape in {
+            "router.weight": (4, 64),
+            "experts.w1": (4, 64, 256),
+            "experts.b1": (4, 256),
+            "experts.w2": (4, 256, 64),
+            "experts.b2": (4, 64),
+        }.items()
+    }
+    assert list(model.state_dict()) == [n for n, _ in model.named_parameters()]  # no key twice
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_each_token_is_the_weighted_sum_of_its_top_k_experts(top_k):
+    """The definition, token by token: softmax router, the k largest probabilities (renormalised for
+    k > 1, the probability itself for k = 1), each chosen expert's MLP (D → 4D → GELU → D)."""
+    from distref.models import MoE
+
+    model = moe_gpt(top_k=top_k)
+    moe = model.block0.mlp
+    assert isinstance(moe, MoE)
+    x = torch.randn(3, 5, 64, dtype=torch.float64)
+    out = moe(x)
+    e = moe.experts
+    for b in range(3):
+        for t in range(5):
+            token = x[b, t]
+            probs = torch.softmax(moe.router.weight @ token, dim=-1)
+            weights, chosen = probs.topk(top_k)
+            if top_k > 1:
+                weights = weights / weights.sum()
+            expected = sum(
+                w * (torch.nn.functional.gelu(token @ e.w1[i] + e.b1[i]) @ e.w2[i] + e.b2[i])
+                for w, i in zip(weights, chosen.tolist(), strict=True)
+            )
+            assert torch.allclose(out[b, t], expected, atol=1e-12)
+
+
+def test_a_token_computes_the_same_whatever_batch_it_is_in():
+    """Dropless: no capacity, no token dropped, so a sequence's output does not depend on the others in its
+    batch (any split over ranks or micro-batches computes the same function), nor does its routing."""
+    model = moe_gpt()
+    x = torch.randint(0, 11, (8, 16))
+    whole = model(x)
+    for part in (x[:3], x[3:4], x[4:]):
+        start = next(i for i in range(8) if torch.equal(x[i], part[0]))
+        assert torch.allclose(model(part), whole[start : start + len(part)], rtol=0, atol=1e-12)
+
+
+def test_the_balance_loss_is_each_sequences_term_so_micro_batches_add_up_to_the_batch():
+    """The load-balancing loss's gradient, reached through the layer's output (AddToLoss), summed over
+    micro-batches equals the whole batch's: each sequence's Switch term α·E·Σ f_i·P_i, ÷ the global batch.
+    The same loss over the whole batch's tokens at once (Switch's per-batch form) would not add up."""
+    model = moe_gpt()
+    x = torch.randint(0, 11, (8, 16))
+    router = model.block0.mlp.router.weight
+
+    def router_grad(parts):
+        model.zero_grad()
+        for part in parts:
+            model(part).sum().mul(0).backward()  # (the task loss's gradient zero: the balance loss's alone)
+        return router.grad.clone()
+
+    whole = router_grad([x])
+    assert whole.abs().max() > 0  # the balance loss reaches the router
+    assert torch.allclose(router_grad([x[:2], x[2:5], x[5:]]), whole, rtol=0, atol=1e-15)
+
+
+def test_the_balance_loss_value_is_switchs_per_sequence():
+    """α·E·Σ_i f_i·P_i for each sequence (f: its fraction of the token choices per expert, P: its mean
+    router probability per expert), summed and ÷ the global batch's 8 sequences."""
+    from distref.models import ROUTING
+
+    model = moe_gpt(sequences=8)
+    moe = model.block0.mlp
+    x = torch.randn(2, 16, 64, dtype=torch.float64)
+    ROUTING.take()
+    moe(x)
+    counts, balance = ROUTING.take()
+    probs = torch.softmax(x @ moe.router.weight.T, dim=-1)  # (2, 16, 4)
+    chosen = probs.topk(2, dim=-1).indices
+    expected = 0.0
+    for s in range(2):
+        f = torch.bincount(chosen[s].flatten(), minlength=4) / (16 * 2)
+        expected += 0.01 * 4 * (f * probs[s].mean(0)).sum() / 8
+    assert torch.allclose(balance, expected, atol=1e-15)
+    assert counts.tolist() == [torch.bincount(chosen.flatten(), minlength=4).tolist()]
+
+
+def test_the_routing_log_counts_training_forwards_once_not_evaluation_nor_recomputation():
+    from distref.models import ROUTING
+
+    model = moe_gpt()
+    x = torch.randint(0, 11, (4, 16))
+    ROUTING.take()
+    with torch.no_grad():
+        model(x)
+    assert ROUTING.take() is None  # evaluation
+    model.activation_checkpointing = True
+    model(x).sum().backward()
+    counts, _ = ROUTING.take()
+    assert counts.sum(dim=1).tolist() == [4 * 16 * 2] * 2  # one forward per layer, not two
+
+
+@pytest.mark.parametrize(
+    "options",
+    [[], ["--top-k", "1"], ["--precision", "bf16"], ["--precision", "fp64", "--grad-accum", "2"]],
+    ids=["fp32", "top-1", "bf16", "fp64-accum2"],
+)
+def test_single_with_experts_holds_the_activations_and_model_states_the_formulas_say(
+    options, single_train, tmp_path
+):
+    """distref.cost.activations.moe_layer_bytes, op by op (the router, the dispatch, each expert's rows and
+    hidden, the combine; under bf16 each expert's weight casts), exact against what autograd saved."""
+    from distref.record import load_record
+    from distref.testing import COST_RUN, check_activations_predicted, check_model_states_predicted
+
+    single_train.main(["--model", "gpt", *COST_RUN, "--experts", "4", *options, "--out", str(tmp_path)])
+    record = load_record(tmp_path)
+    check_activations_predicted(record)
+    check_model_states_predicted(record)

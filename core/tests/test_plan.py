@@ -630,3 +630,165 @@ def test_simulate_runs_the_planned_context_parallel_sharding(capsys):
         assert f"communication {communication:,.0f} bus bytes per step, plan {communication:,.0f}" in said, (
             said
         )
+
+
+# ---- expert parallelism (impls/expert_parallel): a mixture of experts' experts spread over ep ranks -------
+
+MOE = GPTShape(layers=2, hidden=64, heads=8, vocab=1000, seq=64, experts=8, top_k=2)
+
+
+def moe_elements(shape: GPTShape) -> tuple[int, int]:
+    """(elements of every layer's experts, of everything else) by hand: each block's attention 4h² + 3h,
+    two layer norms 4h, a router E·h and E experts of width f (2hf + f + h each); the embeddings (V + s)·h,
+    the head's layer norm 2h and output V·h."""
+    h, f, e, layers = shape.hidden, shape.expert_width, shape.experts, shape.layers
+    experts = layers * e * (2 * h * f + f + h)
+    dense = (shape.vocab + shape.seq) * h + layers * (4 * h * h + 7 * h + e * h) + 2 * h + shape.vocab * h
+    return experts, dense
+
+
+def test_the_mixture_of_experts_presets_are_their_published_shapes_in_this_layout():
+    """Mixtral 8x7B (32 × 4096, 8 experts 14,336 wide, top-2) and OLMoE-1B-7B (16 × 2048, 64 experts 1,024
+    wide, top-8): their parameters counted by hand, and PaLM's FLOPs over the weights a token meets (k of
+    the E experts, everything else but the embeddings: 6 each) and attention's 12·L·h·s."""
+    for name, total in (("mixtral-8x7b", 32_497_868_800), ("olmoe-1b-7b", 4_783_312_896)):
+        shape = MODELS[name]
+        experts, dense = moe_elements(shape)
+        model = decoder(name, shape)
+        assert model.parameters == experts + dense == shape.parameters() == total
+        active = dense + experts // shape.experts * shape.top_k - (shape.vocab + shape.seq) * shape.hidden
+        per_token = 6 * active + 12 * shape.layers * shape.hidden * shape.seq
+        assert model.flops_per_sample == per_token * shape.seq and model.formula is None
+    assert (MODELS["mixtral-8x7b"].experts, MODELS["mixtral-8x7b"].top_k) == (8, 2)
+    assert (MODELS["olmoe-1b-7b"].experts, MODELS["olmoe-1b-7b"].expert_width) == (64, 1024)
+    # the layout's parameter names are distref.models' own, in its order (a built gpt with experts)
+    small = decoder("small", MOE)
+    with torch.device("meta"):
+        built = gpt(MOE.config())
+    assert small.parameter_names == tuple(name for name, _ in built.named_parameters())
+    assert small.shapes == [tuple(p.shape) for p in built.parameters()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_an_expert_parallel_row_costs_what_its_formulas_say(precision):
+    """8 GPUs in nodes of 4, ep 4 (2 copies of the experts), 16 sequences of 64 tokens: K = 2 micro-steps
+    of one sequence. By hand: each MoE layer and micro-step a rank sends 64·2 = 128 rows of h = 64 and, by
+    uniform routing, receives as many, after the 8 counts (int64); backward both again: 5 all-to-alls
+    within the node (3/4 of each on the bus, bf16 tokens in mixed). DDP all-reduces the rest's fp32
+    gradients over all 8 ranks in the last backward (2·7/8 on the bus, across the nodes), the 2 copies
+    each expert tensor's rows they hold after it (2·1/2). A rank holds 1/4 of the experts and the rest."""
+    model = decoder("moe", MOE)
+    cluster = Cluster(FOUR_PER_NODE, 8)
+    training = Training(16, 1, precision, "adamw", False, 0.4)
+    row = cost(Layout("ep", dp=8, ep=4), model, cluster, training)
+    assert row.mesh == "dp8 (ep 4 × replicate 2)" and (row.micro_batch, row.grad_accum) == (1, 2)
+    tokens = 2 if precision == "mixed" else 4  # (bytes of a routed row's element)
+    rows = 64 * 2
+    all_to_all = 2 * 2 * (8 * 8 + 4 * rows * 64 * tokens)  # layers × micro-steps × (counts + 4 of rows)
+    assert row.communication_bytes["intra_node"] == all_to_all * 3 / 4
+    experts, dense = moe_elements(MOE)
+    ddp_bus, copies_bus = 4 * dense * 2 * 7 / 8, 4 * experts / 4 * 2 * 1 / 2
+    assert row.communication_bytes["inter_node"] == pytest.approx(ddp_bus + copies_bus)
+    held = dense + experts // 4
+    states = row.memory_per_gpu_bytes
+    tensors = 2 + 2 * 16 + 3  # (AdamW's step: one fp32 scalar per tensor)
+    if precision == "fp32":
+        assert (states["parameters"], states["gradients"]) == (4 * held, 4 * held)
+        assert states["optimizer"] == 8 * held + 4 * tensors
+    else:  # the ZeRO paper's 2 + 2 + 12 bytes per parameter held
+        assert (states["parameters"], states["gradients"], states["optimizer"]) == (
+            2 * held,
+            2 * held,
+            12 * held,
+        )
+    assert states["activations"] is None and states["total"] == states["model_states"]
+    assert any("activations: not planned for a mixture of experts" in note for note in row.extrapolated)
+    assert any(note.startswith("uniform routing") for note in row.extrapolated)
+    # time: the all-to-alls and the copies' all-reduce after what they wait for, DDP's under the last
+    # micro-step's backward
+    compute = step_flops(model, training, 8) / (GPUS["h100-80gb"].peak_flops[precision] * 0.4)
+    exposed = all_to_all * 3 / 4 / 450e9 + copies_bus / 50e9 + max(0, ddp_bus / 50e9 - compute * 2 / 3 / 2)
+    assert row.compute_s == pytest.approx(compute)
+    assert row.step_s["overlap"] == pytest.approx(compute + exposed)
+
+
+def test_one_rank_holding_every_expert_routes_nothing():
+    """--ep 1: every GPU holds every expert (the impl sets no dispatch): no all-to-all, the 8 copies'
+    all-reduce of the experts' whole gradients; no routing assumed."""
+    row = cost(
+        Layout("ep", dp=8, ep=1),
+        decoder("moe", MOE),
+        Cluster(GPUS["h100-80gb"], 8),
+        Training(8, 1, "fp32", "sgd", False, 0.4),
+    )
+    experts, dense = moe_elements(MOE)
+    assert row.communication_bytes == {
+        "intra_node": pytest.approx(4 * (experts + dense) * 2 * 7 / 8),
+        "inter_node": 0,
+    }
+    assert not any(note.startswith("uniform routing") for note in row.extrapolated)
+    assert row.memory_per_gpu_bytes["parameters"] == 4 * (experts + dense)
+
+
+def test_a_mixture_of_experts_is_planned_by_expert_parallelism_alone(capsys):
+    """OLMoE on 64 GPUs: an ep row for each degree that divides the GPUs and the 64 experts, whose why says
+    what a GPU holds and that its activations are not estimated; the other strategies skipped, saying why
+    (no other impl trains experts). --ep 8 plans that degree only. Mixtral on 8 H100s: a GPU holds at
+    least one expert a layer and the rest whole, 99 GB: nothing fits on any number of them, as it says."""
+    code, out = run_plan(capsys, "--model", "olmoe-1b-7b", "--gpus", "64", "--json")
+    rows = json.loads(out)
+    assert code == 0 and {row["strategy"] for row in rows} == {"ep"}
+    assert sorted(row["mesh"] for row in rows) == sorted(
+        f"dp64 (ep {ep} × replicate {64 // ep})" for ep in (1, 2, 4, 8, 16, 32, 64)
+    )
+    first = rows[0]
+    assert "8 of each layer's 64 experts per GPU" in first["why"] and first["mesh"].startswith("dp64 (ep 8")
+    assert first["why"].endswith("activations not planned (not for a mixture of experts yet)")
+    code, out = run_plan(capsys, "--model", "olmoe-1b-7b", "--gpus", "64", "--ep", "8", "--json")
+    assert code == 0 and [row["mesh"] for row in json.loads(out)] == ["dp64 (ep 8 × replicate 8)"]
+    code, out = run_plan(capsys, "--model", "mixtral-8x7b", "--gpus", "8")
+    experts, dense = moe_elements(MODELS["mixtral-8x7b"])
+    least = 16 * (dense + experts // 8)  # (mixed precision: 2 + 2 + 12 bytes per parameter held)
+    assert code == 0 and f"at least {least / 1e9:.1f} GB of model states per GPU here" in out
+    assert "Skipped: ddp, zero1-3, fsdp, hsdp, tp, cp, pp, model_parallel: impls/expert_parallel alone" in out
+    assert "Nothing fits, on any cluster of these GPUs: impls/expert_parallel spreads each layer's 8" in out
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--model", "olmoe-1b-7b", "--gpus", "32", "--ep", "3"], "--ep 3 does not divide the 32 GPUs"),
+        (["--model", "olmoe-1b-7b", "--tp", "2", "--ep", "2"], "--tp 2 with --ep 2: no impl here combines"),
+        # (--ep 1 is a mesh of its own, every GPU holding every expert: not data parallelism's degree 1)
+        (["--model", "olmoe-1b-7b", "--tp", "2", "--ep", "1"], "--tp 2 with --ep 1: no impl here combines"),
+        (
+            ["--model", "7b", "--ep", "2"],
+            "no layout can run: expert parallelism spreads a mixture of experts'",
+        ),
+        (["--model", "olmoe-1b-7b", "--cp", "2"], "no layout can run: impls/expert_parallel alone trains"),
+        (["--model", "mixtral-8x7b", "--gpus", "16", "--ep", "16"], "must divide the 8 experts"),
+    ],
+)
+def test_an_expert_parallel_mesh_that_cannot_run_is_one_line_and_exit_2(argv, said, capsys):
+    code = plan.main(argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and said in lines[0], lines
+
+
+def test_simulate_runs_the_planned_expert_parallel_sharding_at_64_ranks():
+    """A small mixture of experts (64 a layer) on 64 GPUs, fp32, one micro-step: the ep 64 and ep 16 rows
+    through impls/expert_parallel's own code as rank 0 of 64 on the fake process group hold and
+    communicate what the plan says (the simulation's symmetric routing is the plan's uniform one)."""
+    shape = dataclasses.replace(MOE, seq=16, experts=64)
+    made = make_plan(
+        decoder("moe", shape), Cluster(GPUS["h100-80gb"], 64), Training(64, 1, "fp32", "adamw", False, 0.4)
+    )
+    for row in (r for r in made.rows if r.layout.ep in (64, 16)):
+        said = simulate_row(made, row)
+        states = row.memory_per_gpu_bytes["model_states"]
+        communication = sum(row.communication_bytes.values())
+        assert f"expert_parallel --ep {row.layout.ep} at 64 ranks" in said, said
+        assert f"model states {int(states):,} B, plan (fp32) {states:,.0f} B" in said, said
+        assert f"communication {communication:,.0f} bus bytes per step, plan {communication:,.0f}" in said, (
+            said
+        )

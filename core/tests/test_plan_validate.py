@@ -50,6 +50,7 @@ BASE = ["--steps", "3", "--global-batch-size", "12", "--dataset", "synthetic", "
 OWN = ["--model", EXAMPLE_MODEL, "--dataset", EXAMPLE_DATASET]
 BLOCKS = ["--model", "yours:blocks", "--dataset", EXAMPLE_DATASET]
 GPT = ["--model", "gpt"]
+TOP1 = ["--experts", "4", "--top-k", "1"]
 # name: (ranks, impl, options, what is planned: "exact" (model states, activations, communication equal to
 # the byte, bf16 autocast's included), "no activations" (no formula: a model of yours; the rest exact), "close"
 # (DeepSpeed's bf16: the ZeRO paper's bytes, without DeepSpeed's padding), or the reason it is skipped)
@@ -132,6 +133,20 @@ RUNS = {
         [*GPT, "--dp-shard", "2", "--precision", "fp64"],
         "exact",
     ),
+    # (the plan has no activations for a mixture of experts yet; its all-to-alls as the counted step routed)
+    "expert_parallel-top2": (2, "expert_parallel", [*GPT, "--experts", "4"], "no activations"),
+    "expert_parallel-top1-bf16-checkpointed-accum": (
+        2,
+        "expert_parallel",
+        [*GPT, *TOP1, "--precision", "bf16", "--activation-checkpointing", "--grad-accum", "2"],
+        "no activations",
+    ),
+    "expert_parallel-ep1-fp64": (
+        2,
+        "expert_parallel",
+        [*GPT, "--experts", "2", "--ep", "1", "--precision", "fp64"],
+        "no activations",
+    ),
 }
 IN_PROCESS = ("single", "dataparallel")  # (and --devices: one process)
 
@@ -201,6 +216,9 @@ def test_the_layout_validated_is_the_run_s(record, capsys):
     assert "(context_parallel, cp-ulysses cp2, rank 0)" in said["context_parallel-ulysses-bf16"]
     assert "(context_parallel, cp dp2×cp1, rank 0)" in said["context_parallel-dp-shard-fp64"]
     assert "(planned with cpu_offload=False; the run had cpu_offload=True)" in said["fsdp-offload-fp64"]
+    assert "(expert_parallel, ep dp2 (ep 2 × replicate 1), rank 0)" in said["expert_parallel-top2"]
+    assert "all-to-alls as the counted step (step 2) routed: rank 0's experts" in said["expert_parallel-top2"]
+    assert "(expert_parallel, ep dp2 (ep 1 × replicate 2), rank 0)" in said["expert_parallel-ep1-fp64"]
 
 
 def test_a_record_whose_data_has_moved_is_skipped_saying_why(record, tmp_path, capsys):
@@ -226,3 +244,26 @@ def test_a_record_whose_data_has_moved_is_skipped_saying_why(record, tmp_path, c
     )
     assert f"skipped: its model or data cannot be built here: cannot read {tmp_path / 'moved.txt'}" in out
     assert f"{record('ddp-bf16')} (ddp, ddp dp2, rank 0)" in out
+
+
+def test_an_expert_parallel_run_s_own_routing_sizes_its_all_to_alls(record):
+    """One group holding every expert (ep = world): in the counted step rank 0's experts (0 … E/ep − 1)
+    received every rank's tokens for them, the record's tokens per expert of those experts, layer by layer;
+    planned with them, the all-to-alls are the run's (test_validate_reads_every_impl_s_record). Where
+    groups copy the experts (ep < world) the record sums every group's: the plan's uniform routing, said."""
+    from distref.plan.layouts import Layout
+    from distref.plan.validate import recorded_routing
+
+    recorded = json.loads((record("expert_parallel-top2") / "record.json").read_text())
+    counted = recorded["communication"]["step"]
+    per_expert = next(row for row in recorded["steps"] if row["step"] == counted)["tokens_per_expert"]
+    rows, said = recorded_routing(recorded, Layout("ep", dp=2, ep=2))
+    assert len(per_expert) == 2 and rows == (sum(per_expert[0][:2]), sum(per_expert[1][:2]))
+    assert (
+        said
+        == f"all-to-alls as the counted step (step {counted}) routed: rank 0's experts received {sum(rows):,} rows"
+    )
+    rows, said = recorded_routing(recorded, Layout("ep", dp=4, ep=2))
+    assert rows is None and said == (
+        "all-to-alls under uniform routing (its tokens per expert sum every group's for the counted step)"
+    )

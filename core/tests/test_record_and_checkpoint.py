@@ -591,3 +591,29 @@ def test_sequence_length_must_match_on_resume_given_or_not(single_train, tmp_pat
         "sequence_length": [None, 16],
         "total_steps": [2, 4],
     }
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        (["--experts", "2"], "(--experts 4 vs 2)"),
+        (["--experts", "4", "--top-k", "1"], "(--top-k 2 vs 1)"),
+        (["--experts", "4", "--balance-loss", "0.1"], "(--balance-loss 0.01 vs 0.1)"),
+        ([], "(--experts 4 vs 0)"),
+    ],
+    ids=["experts", "top-k", "balance-loss", "dense"],
+)
+def test_the_mixture_of_experts_must_match_on_resume(changed, said, single_train, tmp_path, capsys):
+    """A checkpoint of gpt with 4 experts, top-2, α 0.01 is another model (another router, another loss)
+    than one with other experts, another k or α, or a dense one: refused in one line naming both."""
+    args = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "16", "--optimizer", "sgd"]
+    args += ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    single_train.main([*args, "--experts", "4", "--steps", "2"])
+    path = ckpt.checkpoint_path(tmp_path, 2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        single_train.main([*args, *changed, "--steps", "4", "--resume", str(path)])
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+    single_train.main(
+        [*args, "--experts", "4", "--steps", "4", "--resume", str(path)]
+    )  # the same run: continues

@@ -252,6 +252,8 @@ def test_exported_impl_trains_outside_the_repo_like_inside(impl, fresh_python, t
     # its README's first run says.
     models = discover(ROOT / "impls")[impl]["models"]
     workload = [*SYNTHETIC, "--model", models[0]] if models else SYNTHETIC
+    if discover(ROOT / "impls")[impl]["experts"] == "required":  # (expert_parallel: gpt's experts)
+        workload = [*workload, "--experts", "4"]
     assert (
         f"python train.py --model {models[0]} --dataset" if models else "python train.py --dataset"
     ) in readme

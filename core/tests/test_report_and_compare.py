@@ -897,3 +897,54 @@ def test_on_one_gpu_compare_runs_what_fits_and_reports_pipeline_as_not_run(tmp_p
     report = (out / "report.md").read_text()
     not_run = report.split("## Not run\n")[1].split("\n## ")[0]
     assert row_of(not_run, "pipeline") == ["pipeline", why]
+
+
+def test_a_mixture_of_experts_comparison_leaves_out_the_impls_that_do_not_train_it_and_says_why():
+    """--experts: single and expert_parallel run, the others are left out saying why; without it,
+    expert_parallel (made for it) is left out saying what to give."""
+    from distref.compare import made_for_the_model
+    from distref.impl_folders import discover
+
+    found = discover(ROOT / "impls")
+    moe = ["--model", "gpt", "--experts", "4"]
+    chosen, not_run = made_for_the_model(found, ["single", "ddp", "expert_parallel"], moe)
+    assert chosen == ["single", "expert_parallel"]
+    assert not_run == [("ddp", "does not train gpt's mixture of experts; this workload has --experts 4")]
+    chosen, not_run = made_for_the_model(found, ["single", "ddp", "expert_parallel"], ["--model", "gpt"])
+    assert chosen == ["single", "ddp"]
+    assert not_run == [
+        ("expert_parallel", "trains gpt's mixture of experts only: give --experts E (and --model gpt)")
+    ]
+
+
+def test_the_routing_table_shows_each_runs_balance_beside_speed_and_parity(tmp_path):
+    """Per run: the last step's tokens per expert (its most uneven layer), the worst layer's load imbalance
+    (busiest ÷ mean) at the first and last step and on average, the balance loss; no table without experts."""
+    from distref.report import ROUTING_TITLE, build_report
+
+    moe = {"model": "gpt", "experts": 4, "top_k": 2}
+    steps = [
+        # step 0: layer 0 even (1.00), layer 1 1.50; step 1: 2.00 and 1.25; step 2: 1.00 and 3.00
+        ([[96, 96, 96, 96], [144, 48, 96, 96]], 0.02),
+        ([[192, 64, 64, 64], [120, 96, 96, 72]], 0.018),
+        ([[96, 96, 96, 96], [288, 96, 0, 0]], 0.016),
+    ]
+    folder = made_record(tmp_path / "single", "single", 1, moe, samples_per_s=240.0)
+    record = json.loads((folder / "record.json").read_text())
+    for row, (tokens, balance) in zip(record["steps"], steps, strict=True):
+        row.update(tokens_per_expert=tokens, balance_loss=balance)
+    (folder / "record.json").write_text(json.dumps(record))
+    dense = made_record(tmp_path / "dense", "ddp", 2, {"model": "gpt"})
+    report = build_report([folder, dense], tmp_path / "report", allow_mixed=True).read_text()
+    section = report.split(f"## {ROUTING_TITLE}")[1].split("\n## ")[0]
+    assert row_of(section, "single ×1")[1:8] == [
+        "4 × top-2",
+        "288 / 96 / 0 / 0",
+        "1.50",
+        "3.00",
+        "2.17",
+        "0.0160",
+        "240",
+    ]
+    assert "| ddp ×2 |" not in section
+    assert ROUTING_TITLE not in build_report([dense], tmp_path / "dense-only").read_text()

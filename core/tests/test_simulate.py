@@ -5,6 +5,7 @@ Real-size presets (a 1.3B- and a 7B-like gpt) run on fake or meta tensors: no me
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -313,3 +314,71 @@ def test_a_zero3_simulation_leaves_torch_as_it_found_it():
     linear = torch.nn.functional.linear
     check("deepspeed_zero", 8, SMALL, 0, ["--zero-stage", "3"])
     assert torch.nn.functional.linear is linear
+
+
+# ---- expert parallelism (impls/expert_parallel): each MoE layer's experts spread over ep ranks ----------
+
+# 64 experts a layer: one a rank at --ep 64; 8: every expert in each group of 8 ranks, 8 copies of them
+MOE64 = GPTShape(layers=2, hidden=64, heads=8, vocab=1000, seq=16, experts=64, top_k=2)
+MOE8 = GPTShape(layers=2, hidden=64, heads=8, vocab=1000, seq=16, experts=8, top_k=1)
+
+
+def expert_and_dense_elements(shape: GPTShape) -> tuple[int, int]:
+    """Elements of each layer's experts (w1, b1, w2, b2 stacked over E), and of everything else."""
+    h, f, e = shape.hidden, 4 * shape.hidden, shape.experts
+    experts = shape.layers * e * (2 * h * f + f + h)
+    return experts, shape.parameters() - experts
+
+
+@pytest.mark.parametrize(
+    "shape, rank, ep, settings",
+    [
+        (MOE64, 0, 64, {}),
+        (MOE64, 63, 16, {"precision": "bf16"}),  # 4 copies of the experts; bf16 tokens
+        (MOE8, 37, 8, {"grad_accum": 2, "activation_checkpointing": True}),  # recomputed forwards resend
+        (MOE8, 5, 1, {}),  # every rank holds every expert: its tokens stay, no all-to-all
+    ],
+)
+def test_expert_parallel(shape, rank, ep, settings):
+    """Rank `rank` of 64 through impls/expert_parallel's own make_mesh and parallelize (its all-to-all
+    dispatch, DDP for the rest): by hand, each MoE layer and micro-step sends its 16·k rows out and
+    receives as many (the simulation's symmetric routing: distref.simulate.SymmetricRouting), each of
+    them h wide, after the E counts (int64); backward sends both again, a checkpointed block's recomputed
+    forward the first three. The rank keeps E/ep of each expert tensor and every other parameter whole."""
+    run = check("expert_parallel", 64, shape, rank, ["--ep", str(ep)], **settings)
+    k, micro_steps = shape.top_k, settings.get("grad_accum", 1)
+    element = 2 if settings.get("precision") == "bf16" else 4
+    rows, counts = 16 * k, 8 * shape.experts
+    forwards = 2 if settings.get("activation_checkpointing") else 1
+    calls_per_layer = 3 * forwards + 2
+    bytes_per_layer = forwards * (counts + 2 * rows * 64 * element) + 2 * rows * 64 * element
+    if ep == 1:
+        assert "all_to_all" not in run.communication
+    else:
+        assert kinds(run)["all_to_all"] == (
+            shape.layers * micro_steps * calls_per_layer,
+            shape.layers * micro_steps * bytes_per_layer,
+        )
+    experts, dense = expert_and_dense_elements(shape)
+    held = dense + experts // ep
+    assert run.model_state_bytes["parameters"] == run.model_state_bytes["gradients"] == 4 * held
+    assert run.facts["mesh"] == {"ep_replicate": 64 // ep, "ep": ep}
+    # DDP all-reduces the rest in one bucket; 64/ep > 1 copies of the experts all-reduce each expert
+    # tensor's rows they hold (4 a layer), one copy nothing
+    copies = 0 if ep == 64 else 4 * shape.layers
+    assert kinds(run)["all_reduce"] == (1 + copies, 4 * (dense + (copies and experts // ep)))
+
+
+@pytest.mark.parametrize(
+    "impl, shape, options, why",
+    [
+        ("expert_parallel", SMALL, [], "give --experts E"),
+        ("expert_parallel", MOE8, ["--ep", "16"], "--experts 8 must divide by --ep 16"),
+        ("expert_parallel", dataclasses.replace(MOE8, top_k=9), [], "more experts than the 8"),
+        ("expert_parallel", dataclasses.replace(MOE8, expert_hidden=100), [], "4 × 64 wide, not 100"),
+        ("fsdp", MOE8, [], "trained by impls/expert_parallel alone"),
+    ],
+)
+def test_what_expert_parallelism_cannot_simulate_is_refused_with_the_reason(impl, shape, options, why):
+    with pytest.raises(ValueError, match=why):
+        simulate(impl, 64, shape, options=options)

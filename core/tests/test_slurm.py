@@ -39,7 +39,10 @@ PARITY = {
     "pipeline": ("gpt", ["--schedule", "1f1b", "--microbatches", "4"], 1, PARITY_TOLERANCE),
     "tensor_parallel": ("gpt", [], 1, PARITY_TOLERANCE),
     "context_parallel": ("gpt", [], 1, PARITY_TOLERANCE),
+    "expert_parallel": ("gpt", [], 1, PARITY_TOLERANCE),
 }
+# Options that shape the model, given to single's reference too: gpt's mixture of experts
+MODEL_OPTIONS = {"expert_parallel": ["--experts", "4"]}
 # Through which scripts: srun.sbatch for all, torchrun.sbatch for ddp in CI (the script is the same for
 # every impl, and each job costs ~15 CPU-seconds of a .ci/run that must stay under 12 minutes);
 # DISTREF_SLURM_ALL=1 runs every impl through both (docs/clusters.md: all ten).
@@ -97,7 +100,8 @@ def jobs(cluster, tmp_path_factory):
     for impl, style in JOBS:
         model, options, _, _ = PARITY[impl]
         run = folder / f"{impl}-{style}"
-        args = [*parity_args(model), *options, "--out", str(run), "--save-final", str(run / "final.pt")]
+        args = [*parity_args(model), *MODEL_OPTIONS.get(impl, []), *options]
+        args += ["--out", str(run), "--save-final", str(run / "final.pt")]
         per_node = PER_NODE.get((impl, style), 1)
         submitted[impl, style] = (
             submit(cluster, style, impl, args, run.with_suffix(".out"), per_node=per_node),
@@ -233,7 +237,7 @@ def test_each_impl_across_two_nodes_equals_single(
         grad_accum, tolerance = grad_accum * per_node, PARITY_TOLERANCE
     run = finished(cluster, jobs[impl, style])
     final = torch.load(run / "final.pt", weights_only=True)
-    diff = max_relative_difference(final, single_reference(model, grad_accum))
+    diff = max_relative_difference(final, single_reference(model, grad_accum, MODEL_OPTIONS.get(impl, [])))
     record = json.loads((run / "record.json").read_text())
     nodes = ", ".join(record["environment"]["rank_nodes"])
     reference = f"single --grad-accum {grad_accum}" if grad_accum > 1 else "single"

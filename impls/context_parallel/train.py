@@ -462,10 +462,12 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)
     # --- CP: a plain copy of the model, on the CPU, scores the gathered parameters (evaluation; copied
     # before the model moves to the device: one build per process, and no second model on the GPU)
-    eval_model = plain_copy(model, lambda: build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)))
+    eval_model = plain_copy(
+        model, lambda: build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)
+    )
     model = model.to(device)
     # --- CP: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     # --- DataParallel: replicate across every visible GPU each step; GPU 0 gathers and steps ---
     gpu_ids = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- DataParallel: on several GPUs its copies between them are no process-group collectives (the
     # counter sees none) and the replicas run in threads of their own (saved-tensor hooks are per
     # thread): no formula then; on one device it is single.
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     one_device = len(gpu_ids) < 2  # --- DataParallel
     threads = (
         None

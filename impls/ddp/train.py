@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:  # torch.compile, block by block, before any strategy wraps the model
         compile_blocks(model)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
     # --- DDP: wrap; DDP also broadcasts rank 0's parameters so every replica starts identical ---
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     model = apply_ddp(model, cfg.strategy, device, rank, usage)
     optimizer = make_optimizer(cfg, model.parameters())
     scaler = make_grad_scaler(cfg, device)

@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe).to(device)
     # --- ZERO: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
             save_checkpoint(cfg.save_final, final)
     # --- ZERO: every rank's memory and model states (its partitions), beside the formulas', and what its
     # counted step communicated beside the formula's (distref.cost.zero), gathered to rank 0
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     zero = deepspeed_config(cfg, world_size)["zero_optimization"]  # its bucket sizes, in elements
     predicted = zero_rank_cost(
         parameters_of(model.named_parameters(), usage),  # (stage 3: their whole shapes)

@@ -197,10 +197,12 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)
     # --- FSDP: a plain copy of the model, on the CPU, scores the gathered parameters (evaluation; copied
     # before the model moves to the device: one build per process, and no second model on the GPU)
-    eval_model = plain_copy(model, lambda: build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)))
+    eval_model = plain_copy(
+        model, lambda: build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)
+    )
     model = model.to(device)
     # --- FSDP: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
             save_checkpoint(cfg.save_final, final)
     # --- FSDP: every rank's memory and model states (its shards), beside the formulas', and what its
     # counted step communicated beside the formula's (distref.cost.sharded), gathered to rank 0
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     policy, shards = mixed_precision(cfg.precision), mesh["shard"]
     predicted = fsdp_rank_cost(
         parameters_by_block(model, usage),  # every block a unit (apply_fsdp; the root holds no parameter)

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)
     if not one_process:  # --- MODEL PARALLEL: every rank read the data and built the model: they must agree
         with exit_on_bad_input(IMPL, say=is_main):
             check_ranks_agree(cfg, train_set, test_set, model)
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_whole_state(cfg.save_final, unwrap_state_dict(model), world_size)
     # --- MODEL PARALLEL: every rank's hand-offs, memory and model states, beside the formulas', to rank 0
     record.add_strategy_facts(**links.meter.gathered(world_size))
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     mine, checkpointed = bounds if world_size > 1 else [(0, n_blocks)], cfg.activation_checkpointing
     held = part_bytes(
         cfg.model, info, cfg.gpt_layers, mine, rank, micro_batch, 1, cfg.precision, checkpointed, device.type

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)
     # --- PIPELINE: every rank read the data and built the model itself: they must agree (one all-gather)
     with exit_on_bad_input(IMPL, say=is_main):
         check_ranks_agree(cfg, train_set, test_set, model)
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     record.add_schedule_measurements(meter.gathered(world_size))
     # --- PIPELINE: what this rank's counted step communicated, its model states (its stages') and the
     # activations it held, beside the formulas' (distref.cost), to rank 0
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     order = work_order(
         pipeline.schedule, mesh.pp_rank, options.schedule, n_micro, mesh.n_stages, mesh.my_stages[0]
     )

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     with exit_on_bad_input(IMPL):  # a dataset that fails its md5: one line, exit 2
         train_set, test_set, info = load_dataset(cfg)
     seed_everything(cfg.seed)  # before building: every impl starts from the same parameters
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg)).to(device)
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:  # torch.compile, block by block, before any strategy wraps the model
         compile_blocks(model)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Model states (a full replica: gradients and optimizer state of the parameters that receive a
     # gradient) and activations by formula (distref.cost), beside the measured ones; one process
     # communicates nothing
-    usage = model_usage(cfg.model, info, cfg.gpt_layers)  # which parameters train: a forward on meta
+    usage = model_usage(cfg.model, info, cfg.gpt_layers, cfg.moe)  # which parameters train: a forward on meta
     predicted = one_process_cost(
         parameters_of(model.named_parameters(), usage),
         optimizer=cfg.optimizer,
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 # ---- The command line: the core options (distref.cli); single has none of its own ----------------
 def parse_options(argv: list[str] | None, world_size: int = 1) -> RunConfig:
-    return parse_config(argv, IMPL, world_size=world_size, description=__doc__)
+    return parse_config(argv, IMPL, world_size=world_size, description=__doc__, trains_experts=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 
 from distref.config import (
     DATASETS,
+    GPT_MODELS,
     MODEL_DATASETS,
     MODELS,
     PARSE_TIMES,
@@ -115,6 +116,31 @@ def build_parser(
         help="tokens per sequence of gpt's and gpt2's data: --dataset synthetic and masked (digits and "
         "their reversal, N/2 each: the answer as far back as the sequence is long), text (N characters). "
         "Default: the dataset's own (16, 64 for text, gpt2's 1024)",
+    )
+    p(
+        "--experts",
+        metavar="E",
+        type=non_negative_int,
+        default=0,
+        help="gpt as a mixture of experts: each block's MLP becomes E expert MLPs and a router (top-k, "
+        "dropless, the Switch/GShard load-balancing loss); 0: dense (default). Trained by impls/single and "
+        "impls/expert_parallel",
+    )
+    p(
+        "--top-k",
+        metavar="K",
+        type=positive_int,
+        default=2,
+        help="experts each token is sent to, their outputs weighed by the router's renormalised "
+        "probabilities (default 2; 1: Switch's)",
+    )
+    p(
+        "--balance-loss",
+        metavar="ALPHA",
+        type=non_negative_float,
+        default=0.01,
+        help="weight of the load-balancing loss, E·Σ f_i·P_i per sequence, averaged over the global batch "
+        "(default 0.01, Switch's)",
     )
     length = contract.add_mutually_exclusive_group()
     length.add_argument(
@@ -290,6 +316,7 @@ def parse_config(
     one_process: Callable[[RunConfig], str | None] | None = None,
     strategy_options: type | None = None,
     cuts_model: bool = False,
+    trains_experts: bool = False,
 ) -> RunConfig:
     """Parse and validate (core rules, then the impl's `check`); on bad input print one line and exit 2.
 
@@ -300,7 +327,8 @@ def parse_config(
     `distributed` impl is one process after all (model_parallel --devices), or None: the launcher options
     that would start ranks are then refused, not ignored. `strategy_options` is the impl's frozen dataclass
     of its own options (those `add_options` adds, by the same names): `cfg.strategy`. `cuts_model`: the
-    impl cuts the model between its blocks (its `check` checks a model of your own can be cut)."""
+    impl cuts the model between its blocks (its `check` checks a model of your own can be cut).
+    `trains_experts`: the impl trains gpt's mixture of experts (--experts); others refuse it."""
     PARSE_TIMES.append(time.perf_counter())  # a run begins (the record's start-up counts from here on)
     try:
         if (
@@ -346,8 +374,16 @@ def parse_config(
         world_size = launch["nproc_per_node"] or default_ranks(cfg)
         cfg = dataclasses.replace(cfg, launch=Launch(world_size, launch["max_restarts"]))
     shards = (world_size or 1) if splits_batch else 1
-    problem = validate(cfg, shards, cuts_model, processes=world_size or 1) or (
-        check(cfg, world_size or 1) if check else None
+    problem = (
+        f"--experts {cfg.experts}: {impl} does not train gpt's mixture of experts here; impls/single and "
+        "impls/expert_parallel do"
+        if cfg.experts and not trains_experts
+        else None
+    )
+    problem = (
+        problem
+        or validate(cfg, shards, cuts_model, processes=world_size or 1)
+        or (check(cfg, world_size or 1) if check else None)
     )
     if not problem and distributed and not checking and not (one_process and one_process(cfg)):
         problem = gpus_problem(cfg, world_size or 1)  # (checked by each node's ranks when checking)
@@ -400,6 +436,29 @@ def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
     return None
 
 
+def experts_problem(cfg: RunConfig) -> str | None:
+    """What is wrong with the mixture-of-experts options (--experts, --top-k, --balance-loss), or None."""
+    if not cfg.experts:
+        given = [
+            o for o, v, d in (("--top-k", cfg.top_k, 2), ("--balance-loss", cfg.balance_loss, 0.01)) if v != d
+        ]
+        return f"{' and '.join(given)} shape gpt's experts: give --experts too" if given else None
+    if cfg.model not in GPT_MODELS:
+        return (
+            f"--experts makes gpt's MLPs experts, not --model {cfg.model}'s: use --model "
+            f"{' or '.join(GPT_MODELS)}"
+        )
+    if cfg.top_k > cfg.experts:
+        return (
+            f"--top-k {cfg.top_k} sends each token to more experts than there are (--experts {cfg.experts})"
+        )
+    if cfg.precision == "fp16":
+        # The load-balancing loss reaches the router as a gradient of its own (distref.models.MoE), which
+        # GradScaler does not scale: fp16's loss scaling would leave it out of proportion. bf16 needs none.
+        return "--experts with --precision fp16: the load-balancing loss is not loss-scaled here; use bf16"
+    return None
+
+
 def default_ranks(cfg: RunConfig) -> int:
     """Ranks to start on this machine when none are asked for: one per GPU with CUDA, else 2 (each rank
     then runs one thread: more ranks than cores only adds waiting)."""
@@ -418,6 +477,8 @@ def validate(
 
     if cfg.gpt_layers != 2 and cfg.model != "gpt":
         return f"--gpt-layers sets the depth of --model gpt, not of --model {cfg.model}"
+    if problem := experts_problem(cfg):
+        return problem
     own_code = is_factory(cfg.model) or is_factory(cfg.dataset)
     if not own_code and cfg.dataset not in MODEL_DATASETS[cfg.model]:
         allowed = ", ".join(MODEL_DATASETS[cfg.model])

@@ -65,12 +65,24 @@ def made_for_the_model(
     says so, rather than failing the whole comparison."""
     model_option = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     model_option.add_argument("--model", default="lenet")
-    model = model_option.parse_known_args(run_args)[0].model
+    model_option.add_argument("--experts", type=int, default=0)
+    given = model_option.parse_known_args(run_args)[0]
+    model, experts = given.model, given.experts
     left_out = {
         impl: f"trains --model {' / '.join(available[impl]['models'])} only; this workload is --model {model}"
         for impl in chosen
         if available[impl]["models"] and model not in available[impl]["models"]
     }
+    for impl in chosen:  # gpt's mixture of experts: the impls that train it, and those made for it only
+        takes = available[impl].get("experts", "never")
+        if experts and takes == "never":
+            left_out.setdefault(
+                impl, f"does not train gpt's mixture of experts; this workload has --experts {experts}"
+            )
+        if not experts and takes == "required":
+            left_out.setdefault(
+                impl, "trains gpt's mixture of experts only: give --experts E (and --model gpt)"
+            )
     return [impl for impl in chosen if impl not in left_out], list(left_out.items())
 
 

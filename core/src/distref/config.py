@@ -106,6 +106,19 @@ class Launch:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """gpt's mixture of experts: each block's MLP becomes `experts` MLPs and a router sending each token to
+    `top_k` of them (distref.models.MoE). `balance_loss` weighs the load-balancing loss (Switch/GShard),
+    averaged over the `sequences_per_step` of the global batch: its gradient is the same whichever rank
+    or micro-batch a sequence is in."""
+
+    experts: int
+    top_k: int = 2
+    balance_loss: float = 0.01
+    sequences_per_step: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Core options, identical for every impl; the impl's own options are `strategy`, a frozen dataclass
     the impl defines (ddp's `DDPOptions`), or None for an impl without options."""
@@ -115,6 +128,9 @@ class RunConfig:
     dataset: str = "mnist"
     data_root: str = "data"
     sequence_length: int | None = None
+    experts: int = 0
+    top_k: int = 2
+    balance_loss: float = 0.01
     epochs: int | None = None
     steps: int | None = None
     global_batch_size: int = 64
@@ -144,6 +160,13 @@ class RunConfig:
     strategy: Any = None
     launch: Launch | None = None
 
+    @property
+    def moe(self) -> MoEConfig | None:
+        """gpt's mixture of experts (--experts, --top-k, --balance-loss), or None: dense MLPs."""
+        if not self.experts:
+            return None
+        return MoEConfig(self.experts, self.top_k, self.balance_loss, self.global_batch_size)
+
     def to_dict(self) -> dict[str, Any]:
         """As records and checkpoints keep it: the core options, then the impl's own and the launch
         under "extra" (the format every record and checkpoint since 0.1 has)."""
@@ -165,6 +188,9 @@ RUN_DEFINING_OPTIONS = (
     "gpt_layers",
     "dataset",
     "sequence_length",  # (None: the dataset's own length, as every run before core 0.18.0)
+    "experts",  # (0: gpt's dense MLPs, as every run before core 0.19.0)
+    "top_k",
+    "balance_loss",
     "global_batch_size",
     "seed",
     "optimizer",

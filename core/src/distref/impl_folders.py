@@ -24,6 +24,8 @@ def discover(impls_dir: Path) -> dict[str, dict]:
             "launcher": settings.get("launcher", "python"),
             "models": settings.get("models"),  # None: every model; else the only ones it trains
             "min_gpus": settings.get("min_gpus", 1),  # its -gpu session's: one per part or rank
+            # gpt's mixture of experts (--experts): "never" (refused), "optional" (single), "required"
+            "experts": settings.get("experts", "never"),
         }
     return found
 

@@ -18,11 +18,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from distref.config import (
     GPT_MODELS,
     FactoryError,
+    MoEConfig,
     first_line,
     is_factory,
     load_factory,
@@ -118,6 +120,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    moe: MoEConfig | None = None  # each block's MLP a mixture of experts (--experts), or dense
 
 
 class Embedding(nn.Module):
@@ -170,14 +173,177 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+# The storages of DTensor parameters' local parts that `local` handed out: model state, not activations,
+# for the saved-tensor meter (distref.training.measure), which cannot tell a plain view of one (an expert's
+# weight a matmul saves) from an input's
+PARAMETER_PARTS: set[int] = set()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (the experts a rank holds, expert parallelism), or the tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    part = tensor.to_local()
+    if isinstance(tensor, nn.Parameter) and not torch.compiler.is_compiling():
+        PARAMETER_PARTS.add(part.untyped_storage().data_ptr())
+    return part
+
+
+class Experts(nn.Module):
+    """E expert MLPs, each the dense block's (D → 4D → GELU → D), their weights stacked into one tensor
+    each (w1: E × D × H, ...; torchtitan's GroupedExperts): expert e is row e of every tensor, so a rank
+    holding some experts holds a shard of each (expert parallelism), and every impl's state_dict has the
+    same names and shapes."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.b1 = nn.Parameter(torch.zeros(experts, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.b2 = nn.Parameter(torch.zeros(experts, dim))
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`tokens` grouped by expert, `counts[e]` rows for the e-th expert held here: each group through
+        its expert, in the same order. An expert given no token still takes part (its gradient is zero,
+        not None, as every rank's optimizer then expects)."""
+        w1, b1, w2, b2 = (local(p) for p in (self.w1, self.b1, self.w2, self.b2))
+        out = []
+        for e, rows in enumerate(tokens.split(counts)):
+            out.append(torch.addmm(b2[e], F.gelu(torch.addmm(b1[e], rows, w1[e])), w2[e]))  # (as nn.Linear)
+        return torch.cat(out)
+
+
+class RoutingLog:
+    """The routers' decisions for the record: tokens each MoE layer sent to each expert, and the weighted
+    load-balancing loss, summed over a training step's forwards (`take` after each step). Process-wide, as
+    the communication counter is (distref.training.traffic): every MoE layer adds to it in training
+    (grad enabled), not in evaluation, not on meta, not when a checkpointed block recomputes its forward."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, torch.Tensor] = {}  # id(layer) → tokens per expert, layers in forward order
+        self.balance: torch.Tensor | None = None
+
+    def add(self, layer: nn.Module, counts: torch.Tensor, balance: torch.Tensor) -> None:
+        if counts.is_meta or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return  # (-1: not inside a backward, where checkpointing recomputes)
+        key = id(layer)
+        self.counts[key] = counts if key not in self.counts else self.counts[key] + counts
+        self.balance = balance.detach() if self.balance is None else self.balance + balance.detach()
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens per expert, layers × E; the balance loss) since the last take, or None: no MoE ran."""
+        if not self.counts:
+            return None
+        taken = torch.stack(list(self.counts.values())), self.balance
+        self.counts, self.balance = {}, None
+        return taken
+
+
+ROUTING = RoutingLog()
+
+
+class AddToLoss(torch.autograd.Function):
+    """Returns `x` unchanged; in backward, `loss` is differentiated as if it had been added to the training
+    loss (its gradient 1), whatever the loop does with the model's output (Megatron-Core's
+    MoEAuxLossAutoScaler). So every impl's loop, written for the cross-entropy alone, trains the
+    load-balancing loss too, the pipeline's stages included."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of a block's MLP (Switch Transformer, Fedus et al. 2021; GShard,
+    Lepikhin et al. 2020; Mixtral's top-2): a router (linear → softmax over E experts → the top k, their
+    probabilities renormalised to sum to 1) sends each token to k experts, and the token's output is their
+    outputs weighed by those probabilities. Dropless: every expert takes every token sent to it (no capacity
+    factor), so the function does not depend on how the batch is split, over ranks or micro-batches.
+
+    The load-balancing loss is Switch's, α·E·Σ_i f_i·P_i (f_i: the fraction of the token choices that
+    went to expert i, P_i: the mean router probability of expert i), computed per sequence as GShard
+    computes it per group of tokens, and averaged over the global batch's sequences: each sequence's term
+    is its own, so any split of the batch adds up the same gradient. It reaches the router through
+    `AddToLoss`. The router runs in the parameters' precision (fp32 under bf16 autocast, as Megatron-Core
+    and torchtitan keep it): a choice among experts should not hang on bf16's rounding.
+
+    `run_experts(tokens, counts)`: the routed tokens grouped by expert, `counts[e]` of them for expert e,
+    in → their outputs, in the same order. None: the experts run them here; expert parallelism sets one that
+    sends each group to the rank holding its expert and brings the outputs back."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.balance_weight = moe.top_k, moe.balance_loss / moe.sequences_per_step
+        self.router = nn.Linear(cfg.n_embd, moe.experts, bias=False)
+        self.experts = Experts(moe.experts, cfg.n_embd, 4 * cfg.n_embd)
+        self.run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = (
+            None  # None: self.experts
+        )
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router probabilities, N × E; the k chosen experts of each token, N × k)."""
+        weight = self.router.weight
+        meta = tokens.is_meta  # (autocast has no meta device)
+        with contextlib.nullcontext() if meta else torch.autocast(tokens.device.type, enabled=False):
+            probs = F.linear(tokens.to(weight.dtype), weight).softmax(dim=-1)
+        return probs, probs.topk(self.top_k, dim=-1).indices
+
+    def balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor, sequences: int) -> torch.Tensor:
+        """α/B · Σ over this batch's sequences of E·Σ_i f_i·P_i (B: sequences in the global batch)."""
+        experts = probs.shape[-1]
+        choices = chosen.reshape(sequences, -1)  # each sequence's T·k choices
+        f = torch.zeros(sequences, experts, dtype=probs.dtype, device=probs.device)
+        f.scatter_add_(1, choices, torch.ones_like(choices, dtype=probs.dtype)).div_(choices.shape[1])
+        p = probs.reshape(sequences, -1, experts).mean(dim=1)
+        return self.balance_weight * experts * (f * p).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        tokens = x.reshape(B * T, D)
+        probs, chosen = self.route(tokens)
+        weights = probs.gather(1, chosen)
+        if self.top_k > 1:  # (k = 1: the probability itself, Switch's gate; renormalised it would be 1,
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # and the router learn from nothing else)
+        experts = probs.shape[-1]
+        # Each (token, choice) pair, grouped by expert (a stable sort: within an expert, in token order)
+        order = chosen.flatten().argsort(stable=True)
+        if tokens.is_meta:  # (shapes only: as if every expert took its even share)
+            counts = [len(order) // experts + (e < len(order) % experts) for e in range(experts)]
+        else:
+            counts = torch.bincount(chosen.flatten(), minlength=experts)
+            balance = self.balance_loss(probs, chosen, B)
+            ROUTING.add(self, counts, balance)
+            counts = counts.tolist()  # (a host sync: the groups' sizes)
+        routed = tokens[order // self.top_k]
+        if not tokens.is_meta and torch.is_autocast_enabled(x.device.type):  # the experts' matmuls cast
+            routed = routed.to(torch.get_autocast_dtype(x.device.type))  # them anyway: sent at half the bytes
+        out = (self.run_experts or self.experts)(routed, counts)
+        pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, choice) order
+        y = (pairs.view(B * T, self.top_k, D) * weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1)
+        if torch.is_grad_enabled() and not tokens.is_meta:
+            y = AddToLoss.apply(y, balance)
+        return y.view(B, T, D)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.mlp = (
+            MoE(cfg)
+            if cfg.moe is not None
+            else nn.Sequential(
+                nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+            )
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,14 +363,14 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def gpt_config(name: str, info: DatasetInfo, gpt_layers: int = 2) -> GPTConfig:
+def gpt_config(name: str, info: DatasetInfo, gpt_layers: int = 2, moe: MoEConfig | None = None) -> GPTConfig:
     """The shape of --model gpt (4 heads × 16, `gpt_layers` blocks: small enough for CPU tests) or of
     --model gpt2 (GPT-2 small's: 12 blocks of 12 heads × 64, a 1024-token context; the head is not tied
     to the embedding, so it has 163M parameters where GPT-2 has 124M). Either reads its vocabulary and
     context from the data (`info`)."""
     if name == "gpt2":
-        return GPTConfig(info.num_classes, info.input_shape[0], n_layer=12, n_head=12, n_embd=768)
-    return GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=gpt_layers)
+        return GPTConfig(info.num_classes, info.input_shape[0], n_layer=12, n_head=12, n_embd=768, moe=moe)
+    return GPTConfig(vocab_size=info.num_classes, block_size=info.input_shape[0], n_layer=gpt_layers, moe=moe)
 
 
 def gpt(cfg: GPTConfig) -> BlockModel:
@@ -217,10 +383,11 @@ def gpt(cfg: GPTConfig) -> BlockModel:
     for name, p in model.named_parameters():  # GPT-2 init; residual projections scaled by depth
         if (
             name.endswith(("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.0.weight", "out.weight"))
+            or name.endswith(("mlp.router.weight", "mlp.experts.w1"))
             or "embed" in name
         ):
             nn.init.normal_(p, std=0.02)
-        elif name.endswith(("proj.weight", "mlp.2.weight")):
+        elif name.endswith(("proj.weight", "mlp.2.weight", "mlp.experts.w2")):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
         elif name.endswith("bias"):
             nn.init.zeros_(p)
@@ -254,15 +421,19 @@ def parameter_dtype(precision: str) -> torch.dtype:
 
 
 def build_model(
-    name: str, info: DatasetInfo, gpt_layers: int = 2, dtype: torch.dtype = torch.float32
+    name: str,
+    info: DatasetInfo,
+    gpt_layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+    moe: MoEConfig | None = None,
 ) -> nn.Module:
-    """The model for a dataset (`gpt_layers`: gpt's transformer blocks), or what your MODULE:FUNCTION
-    returns. Call after seeding: every impl must start from the same parameters. Initialised in fp32
+    """The model for a dataset (`gpt_layers`: gpt's transformer blocks; `moe`: its MLPs a mixture of
+    experts, RunConfig.moe), or what your MODULE:FUNCTION returns. Call after seeding: every impl must start from the same parameters. Initialised in fp32
     whatever `dtype` (float64 for --precision fp64 is the fp32 initialisation, widened), so every
     precision starts from the same values."""
     if is_factory(name):
         return own_model(name).to(dtype)
-    return _build_model(name, info, gpt_layers).to(dtype)
+    return _build_model(name, info, gpt_layers, moe).to(dtype)
 
 
 def own_model(spec: str) -> nn.Module:
@@ -295,7 +466,7 @@ def own_model(spec: str) -> nn.Module:
     return model
 
 
-def _build_model(name: str, info: DatasetInfo, gpt_layers: int) -> BlockModel:
+def _build_model(name: str, info: DatasetInfo, gpt_layers: int, moe: MoEConfig | None = None) -> BlockModel:
     if name == "lenet":
         if info.input_shape != (1, 28, 28):
             raise ValueError(f"lenet takes 1×28×28 images, {info.name} has {info.input_shape}")
@@ -305,5 +476,5 @@ def _build_model(name: str, info: DatasetInfo, gpt_layers: int) -> BlockModel:
     if name in GPT_MODELS:
         if info.kind != "sequence":
             raise ValueError(f"{name} takes token sequences, {info.name} holds images")
-        return gpt(gpt_config(name, info, gpt_layers))
+        return gpt(gpt_config(name, info, gpt_layers, moe))
     raise ValueError(f"unknown model {name}")

@@ -19,7 +19,8 @@ What each impl runs comes from its pyproject.toml, [tool.distref.parity]: `world
 (the option that splits a step: --grad-accum, pipeline's --microbatches) with its `values`, `variants`
 (strategy options, one row each) and `sums` ("world": each rank sums its own slice, S = world × K; "one":
 every rank sees the whole batch, S = K), `model` (an impl that trains one model only: its rows, and their
-single references, train that model instead of the workload's) and `inexact_fp32` (why fp32 AdamW is not
+single references, train that model instead of the workload's), `model_options` (options shaping the model,
+given to single's references too: --experts) and `inexact_fp32` (why fp32 AdamW is not
 exact whatever S, e.g. tensor parallelism splitting each matmul's sum). A new impl joins by adding that
 table. Cases an impl refuses (DeepSpeed in fp64) show its one-line reason. Writes parity.md (a report section) and parity.json.
 """
@@ -74,6 +75,7 @@ def parity_settings(impl_dir: Path) -> dict:
         "variants": table.get("variants", [[]]),
         "sums": table.get("sums", "one"),
         "model": table.get("model"),
+        "model_options": table.get("model_options", []),
         "inexact_fp32": table.get("inexact_fp32"),
     }
 
@@ -238,13 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         for model, variant in itertools.product((own_model, MASKED_WORKLOAD), settings["variants"]):
             if model == MASKED_WORKLOAD and not args.masked:
                 continue
+            # (options that shape the model, single's reference given them too: expert_parallel's --experts)
+            shaped = (*model, *settings["model_options"])
             for world in settings["world_sizes"]:
                 for accum in settings["values"]:
-                    row = (impl, " ".join([*model, *variant]), world, accum)
+                    row = (impl, " ".join([*shaped, *variant]), world, accum)
                     for precision, optimizer in COLUMNS:
                         case = [
                             *run_args,
-                            *model,
+                            *shaped,
                             "--precision",
                             precision,
                             "--optimizer",
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         if problem:
                             cells.append({**cell, "refused": problem})
                             continue
-                        ref_key = (precision, optimizer, reference, model)
+                        ref_key = (precision, optimizer, reference, shaped)
                         references.add(ref_key)
                         cells.append({**cell, "reference": ref_key, "tolerance": tolerance})
 

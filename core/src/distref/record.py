@@ -226,14 +226,23 @@ class RunRecord:
         return self._wall_before + time.perf_counter() - self._run_start
 
     # -- measurements -------------------------------------------------------------------------------
-    def add_steps(self, first_step: int, losses: list[float], step_times: list[float]) -> None:
+    def add_steps(
+        self,
+        first_step: int,
+        losses: list[float],
+        step_times: list[float],
+        routing: list[dict[str, Any]] | None = None,
+    ) -> None:
         """Steps' losses and times, flushed every --log-every steps and before every evaluation (every impl
-        flushes when an evaluation is due): the training peak memory so far is taken here too."""
+        flushes when an evaluation is due): the training peak memory so far is taken here too. `routing`:
+        a mixture of experts' per step ({"balance_loss", "tokens_per_expert": layers × experts})."""
         self.memory.before_evaluation()
         rows = [
             {"step": first_step + i, "loss": loss if math.isfinite(loss) else None, "step_time_s": t}
             for i, (loss, t) in enumerate(zip(losses, step_times, strict=True))
         ]
+        for row, routed in zip(rows, routing or [], strict=False):
+            row.update(routed)
         self.data["steps"].extend(rows)
         if self.out:
             with open(self.out / "steps.jsonl", "a") as f:

@@ -76,6 +76,15 @@ EFFICIENCY_NOTE = (
 )
 
 
+ROUTING_NOTE = (
+    "A mixture of experts' router decides how many tokens each expert takes (each token counts once for "
+    "each of its top k experts, over the whole global batch: every rank's, summed), recorded every step. "
+    "Load imbalance is the busiest expert's tokens ÷ the mean: 1.00 is even, E is every token on one "
+    "expert. Dropless: no token is dropped whatever the imbalance, so parity holds at any routing, but under "
+    "expert parallelism the rank holding the busiest expert receives and computes the most (the all-to-all "
+    "bytes in the cost table are that step's). The load-balancing loss (--balance-loss) pulls towards 1.00."
+)
+
 COST_NOTE = (
     "Where these numbers come from: *measured* communication is what each rank issued in one "
     "steady-state optimizer step (the record's counted step), counted at torch.distributed's dispatcher "
@@ -747,6 +756,38 @@ def pipeline_row(run: Run) -> list[str]:
 
 COST_TITLE = "Cost: communication per step and memory per rank, measured and by formula"
 PIPELINE_TITLE = "Pipeline: the bubble by formula and measured, and the schedule's timeline"
+ROUTING_TITLE = "Routing balance (mixture of experts): tokens per expert, beside speed and parity"
+
+
+def load_imbalance(tokens_per_expert: list[int]) -> float | None:
+    """A layer's routing in a step: its busiest expert's tokens ÷ the mean (1: even; E: all to one)."""
+    total = sum(tokens_per_expert)
+    return max(tokens_per_expert) * len(tokens_per_expert) / total if total else None
+
+
+def routed_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for row in record["steps"] if row.get("tokens_per_expert")]
+
+
+def routing_row(run: Run, parity: list[str]) -> list[str]:
+    """[run, experts, the last step's tokens per expert (its most uneven layer), the worst layer's load
+    imbalance at the first and last step and on average, the last balance loss, samples/s, exact parity]."""
+    rec, cfg = run.record, run.record["config"]
+    steps = routed_steps(rec)
+    worst = [max(load_imbalance(layer) or 0.0 for layer in row["tokens_per_expert"]) for row in steps]
+    last = steps[-1]["tokens_per_expert"] if steps else None
+    uneven = max(last, key=lambda layer: load_imbalance(layer) or 0.0) if last else None
+    return [
+        run.label,
+        f"{cfg.get('experts')} × top-{cfg.get('top_k')}",
+        " / ".join(str(n) for n in uneven) if uneven else "—",
+        _fmt(worst[0] if worst else None, ".2f"),
+        _fmt(worst[-1] if worst else None, ".2f"),
+        _fmt(sum(worst) / len(worst) if worst else None, ".2f"),
+        _fmt(steps[-1].get("balance_loss") if steps else None, ".4f"),
+        _fmt(rec["samples_per_s"], ",.0f"),
+        parity[0],
+    ]
 
 
 def is_pipeline(run: Run) -> bool:
@@ -765,9 +806,12 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
     parity, speed, target, memory, held, versions = [], [], [], [], [], []
     cost = [cost_row(run) for run in runs]
     pipelines = [pipeline_row(run) for run in runs if is_pipeline(run)]
+    routing = []
     for run in runs:
         rec = run.record
         parity.append([run.label, *parity_cells(run, baseline, base_state)])
+        if run.ok and routed_steps(rec):
+            routing.append(routing_row(run, parity[-1][1:]))
         sps = rec["samples_per_s"]
         efficiency = scaling_efficiency(rec, baseline.record) if baseline and run is not baseline else None
         speed_up = sps / baseline.record["samples_per_s"] if efficiency is not None else None
@@ -906,6 +950,26 @@ def tables(runs: list[Run]) -> dict[str, tuple[list[str], list[list[str]]]]:
             if pipelines
             else {}
         ),
+        **(
+            {
+                ROUTING_TITLE: (
+                    [
+                        "run",
+                        "experts",
+                        "tokens per expert, last step (its most uneven layer)",
+                        "load imbalance, first step (max ÷ mean, worst layer)",
+                        "last step",
+                        "mean over steps",
+                        "balance loss, last step",
+                        "samples/s",
+                        "exact parity",
+                    ],
+                    routing,
+                )
+            }
+            if routing
+            else {}
+        ),
         "Versions and environment": (
             [
                 "run",
@@ -1041,6 +1105,8 @@ def build_report(
             md += [COST_NOTE, ""]
         if title == PIPELINE_TITLE:
             md += [PIPELINE_NOTE, ""]
+        if title == ROUTING_TITLE:
+            md += [ROUTING_NOTE, ""]
         for caption, name in section_plots.get(title, []):
             md += [f"### {caption}", "", f"![{caption}]({name})", ""]
     for title, name in plots.items():

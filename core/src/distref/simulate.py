@@ -20,15 +20,24 @@ runs at real sizes:
   swap t1 because it has weakref associated with it"), which the impl's apply_pipeline calls for each
   block of its example forward (to the device and back where it was: for meta tensors, nowhere). The fake
   backend is registered for "meta" too, for the schedule's batched send/recv.
-- "real", so small shapes only (DDP, DeepSpeed ZeRO): DDP's constructor reads the parameters' data
-  (_verify_params_across_processes: "The tensor has a non-zero number of elements, but its data is not
-  allocated yet"); DeepSpeed flattens their storage and reads the gradient norm with .item().
+- "real", so small shapes only (DDP, DeepSpeed ZeRO, expert parallelism's DDP of the rest): DDP's
+  constructor reads the parameters' data (_verify_params_across_processes: "The tensor has a non-zero
+  number of elements, but its data is not allocated yet"); DeepSpeed flattens their storage and reads the
+  gradient norm with .item(); a mixture of experts' router counts its tokens per expert (torch.bincount,
+  whose output's size is data: fake tensors refuse it) and reads them with .tolist(), as does the
+  all-to-all dispatch its exchanged counts.
 
 What the fake backend cannot play, and what is done instead (same calls, same bytes):
 - its operations' futures hold nothing: DDP's reducer takes each bucket's all-reduce result from one
-  ("expected the hook result is either a Tensor or a TensorList found None"): impls/ddp's own comm hook
-  (`summing_hook`, the all-reduce as a sum) returns the bucket it reduced in place instead; DDP's
-  compression hooks (--comm-hook) are refused.
+  ("expected the hook result is either a Tensor or a TensorList found None"): impls/ddp's and
+  impls/expert_parallel's own comm hooks (`summing_hook`, the all-reduce as a sum) return the bucket they
+  reduced in place instead; DDP's compression hooks (--comm-hook) are refused.
+- its all-to-all cannot tell one rank what the others route: expert parallelism's exchange of routing
+  counts (how many tokens each rank sends each expert) comes back as the input's first slot from every
+  rank, and a rank whose experts are then sent nothing while it sends refuses the outputs' return.
+  `SymmetricRouting` delivers it as if each rank of the group sent this one what this one sends it: every
+  rank receives the rows it sends, uniform routing's expectation (distref.cost.expert_parallel's
+  `uniform_routing`, the planner's); the tokens' all-to-alls, sized by those counts, then run as they are.
 - its recv and all-to-all deliver nothing: context parallelism's ring attention computes on the key/value
   blocks it receives, and Ulysses on what its all-to-all returns, whatever they hold (their shapes are
   known before they arrive): both run as they are, counted as sent.
@@ -76,11 +85,13 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from distref.config import RunConfig
+from distref.config import MoEConfig, RunConfig
 from distref.cost.context_parallel import context_parallel_cost
 from distref.cost.counts import Counts, same
 from distref.cost.data_parallel import ddp_rank_cost
+from distref.cost.expert_parallel import expert_parallel_cost, uniform_routing
 from distref.cost.pipeline import pipeline_rank_cost
 from distref.cost.sharded import fsdp_rank_cost
 from distref.cost.tensor_parallel import tensor_parallel_cost
@@ -89,7 +100,7 @@ from distref.cost.zero import zero_rank_cost
 from distref.data import DatasetInfo
 from distref.distributed.partition import choose_cut_points, named_block_sizes
 from distref.impl_folders import load_train_api
-from distref.models import BlockModel, GPTConfig, gpt
+from distref.models import ROUTING, BlockModel, GPTConfig, gpt
 from distref.training.device import autocast, param_dtype
 from distref.training.measure import model_state_bytes, zero_model_state_bytes
 from distref.training.optim import make_optimizer
@@ -106,6 +117,7 @@ TENSORS = {
     "context_parallel": "fake",
     "pipeline": "meta",
     "deepspeed_zero": "real",
+    "expert_parallel": "real",
 }
 # Impls that run no collectives of their own in a step, or none on the fake backend: single and
 # dataparallel (one process), model_parallel (its point-to-point handover sends each tensor's shape first,
@@ -118,28 +130,52 @@ OPTIONS_CLASS = {
     "context_parallel": "CPOptions",
     "pipeline": "PipelineOptions",
     "deepspeed_zero": "ZeroOptions",
+    "expert_parallel": "EPOptions",
 }
 MAX_CUTS_TRIED = 200_000  # impls/pipeline's balanced cut tries every cut: C(31, 15) ≈ 3·10⁸ never ends
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTShape:
-    """The shape of a gpt (distref.models): blocks, hidden width, heads, vocabulary, sequence length."""
+    """The shape of a gpt (distref.models): blocks, hidden width, heads, vocabulary, sequence length; with
+    `experts`, each block's MLP a mixture of that many experts (distref.models.MoE), each token routed to
+    `top_k` of them, each expert `expert_hidden` wide (None: 4 × hidden, as distref.models builds them)."""
 
     layers: int
     hidden: int
     heads: int
     vocab: int
     seq: int
+    experts: int = 0  # 0: dense MLPs
+    top_k: int = 2
+    expert_hidden: int | None = None
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width (its MLP: hidden → width → hidden)."""
+        return self.expert_hidden or 4 * self.hidden
 
     def config(self) -> GPTConfig:
-        return GPTConfig(self.vocab, self.seq, n_layer=self.layers, n_head=self.heads, n_embd=self.hidden)
+        """distref.models' configuration of this shape; ValueError for experts of another width than the
+        4 × hidden distref.models builds."""
+        if self.experts and self.expert_width != 4 * self.hidden:
+            raise ValueError(
+                f"distref.models builds experts 4 × {self.hidden} wide, not {self.expert_width}: a shape "
+                "to build has expert_hidden None"
+            )
+        moe = MoEConfig(self.experts, self.top_k) if self.experts else None
+        return GPTConfig(
+            self.vocab, self.seq, n_layer=self.layers, n_head=self.heads, n_embd=self.hidden, moe=moe
+        )
 
     def parameters(self) -> int:
         """Parameter count: the embeddings, 12h² + 12h per block (q, k, v, proj, a 4h MLP, two layer
-        norms; k has no bias), the head's layer norm and output layer."""
-        h = self.hidden
-        return (self.vocab + self.seq) * h + self.layers * (12 * h * h + 12 * h) + 2 * h + self.vocab * h
+        norms; k has no bias), the head's layer norm and output layer. A mixture of experts' block has,
+        instead of the MLP's 8h² + 5h, a router (E × h) and E experts of width f (2hf + f + h each)."""
+        h, e, f = self.hidden, self.experts, self.expert_width
+        mlp = e * h + e * (2 * h * f + f + h) if e else 8 * h * h + 5 * h
+        block = 4 * h * h + 7 * h + mlp
+        return (self.vocab + self.seq) * h + self.layers * block + 2 * h + self.vocab * h
 
 
 # gpt-1.3b: GPT-3 XL's sizes (24 × 2048, GPT-2's vocabulary), 1.42B parameters; gpt-7b: Llama-7B's sizes
@@ -210,6 +246,27 @@ class CountSimulated(CountCommunication):
         if isinstance(func, torch._ops.OpOverload) and (seen := describe(func, args)) is not None:
             add(self.counts, *seen)
         return func(*args, **(kwargs or {}))
+
+
+class SymmetricRouting(TorchDispatchMode):
+    """Expert parallelism's exchange of routing counts (an all-to-all of integers: how many tokens each
+    rank sends each expert) delivered as if every rank of the group sent this rank what this rank sends
+    it: a symmetric routing, in which each rank receives as many rows as it sends (uniform routing's
+    expectation, distref.cost.expert_parallel.uniform_routing). One process cannot know how the other
+    ranks route, and the fake backend fills an all-to-all's output with the input's first slot from every
+    rank: the sizes that follow would be another rank's, and where a rank's experts are sent nothing while
+    it sends tokens, the backend refuses the outputs' return ("inputBuffer is empty"). The tokens'
+    all-to-alls, sized by these counts, run as they are."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # (a tensor subclass's operation: its plain ones come back here; DTensor's shape propagation on
+        # fake tensors runs as it is)
+        if any(t not in (torch.Tensor, torch.nn.Parameter) and not issubclass(t, FakeTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_to_all_single.default and not args[0].is_floating_point():
+            out.copy_(args[0])  # (from rank r of the group: what this rank sends rank r)
+        return out
 
 
 @contextlib.contextmanager
@@ -297,6 +354,13 @@ def check(impl: str, module, cfg: RunConfig, shape: GPTShape, world_size: int, r
     if not 0 <= rank < world_size:
         return f"rank {rank} is not one of the {world_size} ranks"
     options = cfg.strategy
+    if shape.experts and impl != "expert_parallel":
+        return f"gpt's mixture of {shape.experts} experts is trained by impls/expert_parallel alone here"
+    if impl == "expert_parallel" and shape.experts:
+        if shape.expert_width != 4 * shape.hidden:
+            return f"distref.models builds experts 4 × {shape.hidden} wide, not {shape.expert_width}"
+        if shape.top_k > shape.experts:
+            return f"top-{shape.top_k} routing sends each token to more experts than the {shape.experts}"
     if impl == "tensor_parallel":
         dp, tp = module.mesh_shape(options, world_size)
         if dp * tp != world_size:
@@ -360,9 +424,10 @@ def simulate(
     impls_dir: Path = IMPLS_DIR,
 ) -> Simulation:
     """Rank `rank` of `world_size` running `impl` (its own command-line `options`, e.g. ["--hsdp", "8"]) on
-    gpt of `shape`: `micro_batch` sequences per rank (tensor_parallel, context_parallel: per data-parallel
-    group; pipeline: per micro-batch) and micro-step, `steps` optimizer steps (default: 3 for DDP and DeepSpeed, 2 for the
-    others), the last counted. `tensors` ("fake", "meta", "real"; default TENSORS[impl]) chooses what the
+    gpt of `shape` (a mixture of experts where `shape.experts`: expert_parallel's): `micro_batch` sequences
+    per rank (tensor_parallel, context_parallel: per data-parallel group; pipeline: per micro-batch) and
+    micro-step, `steps` optimizer steps (default: 3 where DDP runs and for DeepSpeed, 2 for the others),
+    the last counted. `tensors` ("fake", "meta", "real"; default TENSORS[impl]) chooses what the
     model is built of. Raises ValueError where the impl or the fake backend cannot run it."""
     if impl not in TENSORS:
         why = " (distref.simulate's docstring says why)" if impl in NOT_SIMULATED else ""
@@ -370,11 +435,14 @@ def simulate(
     module = load_train_api(Path(impls_dir) / impl / "train.py")  # what the impl declares for the tools
     own = strategy_options(module, impl, options)
     degree = data_parallel_degree(impl, module, own, world_size)
-    steps = steps or (3 if impl in ("ddp", "deepspeed_zero") else 2)
+    settles_after_one_step = ("ddp", "deepspeed_zero", "expert_parallel")  # (DDP's buckets, ZeRO-3's trace)
+    steps = steps or (3 if impl in settles_after_one_step else 2)
     cfg = RunConfig(
         model="gpt",
         gpt_layers=shape.layers,
         dataset="synthetic",
+        experts=shape.experts,
+        top_k=shape.top_k,
         steps=steps,
         global_batch_size=micro_batch * degree * (1 if impl == "pipeline" else grad_accum),
         optimizer=optimizer,
@@ -416,7 +484,8 @@ def simulate(
 def gpt_usage(shape: GPTShape) -> Usage:
     """Which parameters of gpt of `shape` a step trains (distref.cost.usage, as each train.py finds it for
     its model: one forward and backward on the meta device): all of them."""
-    return model_usage("gpt", DatasetInfo("synthetic", shape.vocab, (shape.seq,), "sequence"), shape.layers)
+    info = DatasetInfo("synthetic", shape.vocab, (shape.seq,), "sequence")
+    return model_usage("gpt", info, shape.layers, shape.config().moe)
 
 
 def batch(shape: GPTShape, sequences: int) -> torch.Tensor:
@@ -725,6 +794,51 @@ def run_deepspeed_zero(module, cfg, shape, world_size, rank, tensors, steps) -> 
     return Outcome(counts, states, predicted.communication, predicted.model_states, {"zero_stage": stage})
 
 
+def run_expert_parallel(module, cfg, shape, world_size, rank, tensors, steps) -> Outcome:
+    device = device_of(tensors)
+    ep = cfg.strategy.ep or world_size
+    mesh = module.make_mesh(world_size, ep, device)
+    model = module.parallelize(build(shape, tensors, cfg), mesh, device)  # (its experts, then DDP)
+    micro_batch = cfg.global_batch_size // (world_size * cfg.grad_accum)
+    try:
+        with SymmetricRouting(), step_tensors(tensors, model):
+            optimizer = make_optimizer(cfg, model.parameters())
+            x = batch(shape, micro_batch)
+
+            def step() -> None:  # as impls/expert_parallel/train.py's step
+                for micro_step in range(cfg.grad_accum):
+                    last = micro_step == cfg.grad_accum - 1
+                    with contextlib.nullcontext() if last else model.no_sync():
+                        with autocast(cfg, device):
+                            loss = loss_fn(model(x), x)
+                        (loss / cfg.grad_accum).backward()
+                module.all_reduce_expert_gradients(model.module, mesh)
+
+            counts, states = run_steps(steps, step, optimizer, model.parameters)
+    finally:
+        ROUTING.take()  # (what the routers logged: no run's steps)
+    usage = gpt_usage(shape)
+    # Symmetric routing (SymmetricRouting): each rank receives the rows it sends, uniform routing's
+    # expectation; one rank holding every expert (--ep 1) sends none (no all-to-all)
+    tokens = micro_batch * shape.seq
+    routed = uniform_routing(tokens, shape.top_k, shape.layers, cfg.grad_accum) if ep > 1 else []
+    communication, model_states = expert_parallel_cost(  # as impls/expert_parallel/train.py costs it
+        [(name, tuple(p.shape)) for name, p in model.module.named_parameters()],  # (DTensors: whole shapes)
+        world_size=world_size,
+        ep=ep,
+        experts=shape.experts,
+        hidden=shape.hidden,
+        routed=routed,
+        precision=cfg.precision,
+        checkpointed=cfg.activation_checkpointing,
+        optimizer=cfg.optimizer,
+        gradient_order=None if usage.unknown else usage.gradient_order,
+        step_bytes=torch.get_default_dtype().itemsize,
+    )
+    facts = {"mesh": {"ep_replicate": world_size // ep, "ep": ep}, "ep_rank": mesh["ep"].get_local_rank()}
+    return Outcome(counts, states, communication, model_states, facts)
+
+
 RUNNERS = {
     "ddp": run_ddp,
     "fsdp": run_fsdp,
@@ -732,4 +846,5 @@ RUNNERS = {
     "context_parallel": run_context_parallel,
     "pipeline": run_pipeline,
     "deepspeed_zero": run_deepspeed_zero,
+    "expert_parallel": run_expert_parallel,
 }

@@ -49,7 +49,7 @@ import dataclasses
 from collections.abc import Sequence
 from fractions import Fraction
 
-from distref.config import GPT_MODELS, RunConfig
+from distref.config import GPT_MODELS, MoEConfig, RunConfig
 from distref.cost.attention import attention_saves, sdpa_kernel
 from distref.models import gpt_config
 
@@ -234,13 +234,55 @@ def resnet18_blocks(
     return blocks
 
 
+def moe_layer_bytes(
+    *, tokens: int, sequences: int, hidden: int, top_k: int, experts: int, rows_in: int, sv: Saving
+) -> int:
+    """What one MoE layer (distref.models.MoE) saves for backward, on `tokens` tokens of `sequences`
+    sequences, its experts computing `rows_in` routed rows (all n·k where every expert is local; a rank's
+    share under expert parallelism). Counted op by op, r the router's bytes (the parameters': the stream's)
+    and c the experts' (`compute`):
+      the router: its input, the ln's output (r·n·h), the softmax's output (r·n·E), the top k's indices
+        gathered (8·n·k), with k > 1 the renormalisation's input and sum (r·n·k + r·n), each sequence's
+        f (r·E), the balance loss (r, once a forward);
+      the dispatch: the tokens' gather index (8·n·k); each expert's rows (c·R·h), its hidden before and
+        after GELU (2·c·R·4h); the outputs' placing index and source (8·n·k + c·n·k·h);
+      the combine: the outputs (c·n·k·h) and their weights (c·n·k) the product saves.
+    Under autocast each expert's weights are cast anew for each call (a view of the stacked parameter is no
+    parameter: autocast caches none), and saved: `per_forward_bytes`."""
+    n, k, h, c, r, rows = tokens, top_k, hidden, sv.compute, sv.stream, tokens * top_k
+    router = r * n * h + r * n * experts + INDEX_BYTES * rows + (r * n * k + r * n if k > 1 else 0)
+    router += r * sequences * experts
+    dispatch = INDEX_BYTES * rows + expert_rows_bytes(rows_in, h, sv) + INDEX_BYTES * rows + c * rows * h
+    combine = c * rows * h + c * rows
+    return router + dispatch + combine
+
+
+def expert_rows_bytes(rows: int, hidden: int, sv: Saving) -> int:
+    """What the experts save of `rows` routed rows: the rows, and their hidden before and after GELU."""
+    return sv.compute * rows * hidden + 2 * sv.compute * rows * 4 * hidden
+
+
+def moe_per_forward_bytes(experts_held: int, hidden: int, sv: Saving) -> int:
+    """Once a forward, per MoE layer: the balance loss (a scalar), and under autocast each held expert's
+    two weight casts (h × 4h each)."""
+    return sv.stream + (experts_held * 2 * 4 * hidden * hidden * sv.compute if sv.weight_casts else 0)
+
+
 def gpt_blocks(
-    seq: int, hidden: int, heads: int, layers: int, vocab: int, sv: Saving, checkpointed: bool
+    seq: int,
+    hidden: int,
+    heads: int,
+    layers: int,
+    vocab: int,
+    sv: Saving,
+    checkpointed: bool,
+    moe: MoEConfig | None = None,
 ) -> list[Block]:
     """distref's gpt (module docstring). Under autocast the residual stream stays in the parameters'
     fp32 (the embeddings are no autocast op, and fp32 + 16-bit adds in fp32): the layer norms' inputs and
     statistics are fp32, and each Linear saves its own 16-bit cast of the layer norm's output (q, k and v
-    three copies of ln1's), and its weight's cast (one per autocast region)."""
+    three copies of ln1's), and its weight's cast (one per autocast region). `moe`: its MLPs a mixture of
+    experts (`moe_layer_bytes`, every expert on this rank)."""
     s, h, c = seq, hidden, sv.compute
     if checkpointed:  # each block keeps its input alone
         return [Block(0, INDEX_BYTES * s)] + [Block(0, sv.stream * s * h)] * (layers + 1)
@@ -250,13 +292,27 @@ def gpt_blocks(
     own = (
         sv.norm_input_bytes * 2 * s * h  # ln1's and ln2's inputs
         + sv.layer_norm * 4 * s  # their means and rstds
-        + c * (q_k_v_inputs + 1) * s * h  # their outputs, as q, k, v and the MLP's first Linear save them
+        + c * q_k_v_inputs * s * h  # ln1's output, as q, k, v save it
         + attention
-        + c * 8 * s * h  # the MLP's hidden before and after GELU
     )
-    weights = c * 12 * h * h if sv.weight_casts else 0  # q, k, v, proj (h×h), the MLP's (4h×h, h×4h)
+    per_forward = attention_once
+    weights = c * 4 * h * h if sv.weight_casts else 0  # q, k, v, proj (h×h)
     weights += sv.norm_weights * 4 * h  # (the layer norms' weights and biases, where autocast casts them)
-    block = Block(0, own, per_forward=attention_once, weights=weights)
+    if moe is None:
+        own += c * s * h + c * 8 * s * h  # ln2's output, as the MLP's first Linear saves it; its hidden
+        weights += c * 8 * h * h if sv.weight_casts else 0  # the MLP's (4h×h, h×4h)
+    else:  # (per sequence: every term is linear in the tokens but the balance loss and the casts)
+        own += moe_layer_bytes(
+            tokens=s,
+            sequences=1,
+            hidden=h,
+            top_k=moe.top_k,
+            experts=moe.experts,
+            rows_in=s * moe.top_k,
+            sv=sv,
+        )
+        per_forward += moe_per_forward_bytes(moe.experts, h, sv)
+    block = Block(0, own, per_forward=per_forward, weights=weights)
     head_weights = (c * h * vocab if sv.weight_casts else 0) + sv.norm_weights * 2 * h
     head = Block(0, sv.norm_input_bytes * s * h + sv.layer_norm * 2 * s + c * s * h, weights=head_weights)
     return [embed, *[block] * layers, head]
@@ -286,7 +342,7 @@ def stage_bytes(
 
 
 def model_blocks(
-    model: str, info, gpt_layers: int, sv: Saving, checkpointed: bool
+    model: str, info, gpt_layers: int, sv: Saving, checkpointed: bool, moe: MoEConfig | None = None
 ) -> tuple[list[Block], Loss] | None:
     """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo),
     saving as `sv` says. The loss: log-softmax's output on logits widened to at least fp32 (the loss
@@ -301,7 +357,7 @@ def model_blocks(
         shape = gpt_shape(info, gpt_layers, model)
         s = shape.pop("seq")
         loss = Loss(acc * s * classes + INDEX_BYTES * s, acc)
-        return gpt_blocks(seq=s, **shape, sv=sv, checkpointed=checkpointed), loss
+        return gpt_blocks(seq=s, **shape, sv=sv, checkpointed=checkpointed, moe=moe), loss
     return None
 
 
@@ -388,9 +444,11 @@ def formula_for(
     checkpointed: bool,
     device: str = "cpu",
     parameters: str = "full",
+    moe: MoEConfig | None = None,
 ) -> tuple[list[Block], Loss] | None:
     """(blocks, loss) of one of this project's models on a dataset (`info`: distref.data.DatasetInfo) in
-    `precision` on `device` (`saving_for`), or None where there is no formula (`no_formula` says why)."""
+    `precision` on `device` (`saving_for`), or None where there is no formula (`no_formula` says why).
+    `moe`: gpt's mixture of experts (RunConfig.moe), every expert on this rank."""
     if no_formula(model, precision, device) is not None:
         return None
     attention = None
@@ -399,7 +457,7 @@ def formula_for(
         head_size, heads, seq = shape["hidden"] // shape["heads"], shape["heads"], shape["seq"]
         attention = sdpa_kernel(device, precision, head_size, heads, seq)
     return model_blocks(
-        model, info, gpt_layers, saving_for(precision, device, parameters, attention), checkpointed
+        model, info, gpt_layers, saving_for(precision, device, parameters, attention), checkpointed, moe
     )
 
 
@@ -412,7 +470,14 @@ def predicted_for_run(
     its `parameters` (`saving_for`): (bytes, None), or (None, why there is no formula)."""
     why = no_formula(cfg.model, cfg.precision, device)
     found = formula_for(
-        cfg.model, info, cfg.gpt_layers, cfg.precision, cfg.activation_checkpointing, device, parameters
+        cfg.model,
+        info,
+        cfg.gpt_layers,
+        cfg.precision,
+        cfg.activation_checkpointing,
+        device,
+        parameters,
+        cfg.moe,
     )
     micro_batch = cfg.global_batch_size // (replicas * cfg.grad_accum)
     return (stage_bytes(*found, micro_batch) if found else None), why

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import nn
 
+from distref.config import MoEConfig
 from distref.models import build_model, on_meta
 
 
@@ -148,11 +149,12 @@ def traced_usage(model: nn.Module, input_shape: tuple[int, ...], tokens: bool) -
     return Usage(gradient_order=tuple(ready), called=frozenset(called))
 
 
-def model_usage(model_name: str, info, gpt_layers: int) -> Usage:
-    """The Usage of the model a run builds (`--model`, on `info`: distref.data.DatasetInfo); `unknown`
+def model_usage(model_name: str, info, gpt_layers: int, moe: MoEConfig | None = None) -> Usage:
+    """The Usage of the model a run builds (`--model`, on `info`: distref.data.DatasetInfo; `moe`:
+    RunConfig.moe); `unknown`
     says why where it cannot be found: a model of yours whose forward does not run on the meta device."""
     try:
-        model = on_meta(lambda: build_model(model_name, info, gpt_layers))
+        model = on_meta(lambda: build_model(model_name, info, gpt_layers, moe=moe))
         return traced_usage(model, tuple(info.input_shape), tokens=info.kind == "sequence")
     except Exception as exc:  # (your model's code: whatever it raises)
         first_line = (str(exc).splitlines() or [""])[0]

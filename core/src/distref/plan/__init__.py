@@ -6,13 +6,16 @@ micro-batch, precision, optimizer, activation checkpointing), every strategy and
 implements is costed per GPU and ranked:
 
 - **memory**: model states by `distref.cost` — in fp32 the impls' own exact formulas (`replicated`,
-  `fsdp_model_states`, `zero_model_states`, `tensor_parallel_model_states`, `context_parallel_cost`:
+  `fsdp_model_states`, `zero_model_states`, `tensor_parallel_model_states`, `context_parallel_cost`,
+  `expert_parallel_cost`:
   measured equal in every impl's tests, simulated equal up to 512 ranks); in mixed precision the ZeRO
   paper's bytes per parameter (`memory.mixed_precision`, checked against the paper's table). Activations by
   `cost.activations`, `cost.tp_activations` and `cost.context_parallel` (exact for gpt, lenet and resnet18
   in fp32 and under bf16 — 16-bit parameters in mixed precision, autocast's fp32 stream and 16-bit copies
   under `--precision autocast` — every pipeline schedule's order replayed), on CUDA's kernels
-  (`cost.attention`: measured on the CPU's only, which the rows say).
+  (`cost.attention`: measured on the CPU's only, which the rows say); none yet for a mixture of experts
+  (its presets, `mixtral-8x7b` and `olmoe-1b-7b`, are planned by expert parallelism alone, its all-to-alls
+  under uniform routing, and fit by their model states, as their rows say).
 - **communication** per step by `distref.cost`'s per-strategy functions, split by link: intra-node
   (NVLink/PCIe) when the group's ranks share a node, inter-node otherwise (tensor or context parallelism
   innermost, then the pipeline, data parallelism outermost).
@@ -20,8 +23,8 @@ implements is costed per GPU and ranked:
   activation checkpointing) at the stated utilisation of the GPU's peak (`--mfu`); communication as bus
   bytes over the link's bandwidth (nccl-tests' convention); a pipeline's bubble by its schedule's formula.
   Step time without overlap adds them; with overlap the data-parallel collectives hide under compute,
-  ring attention's hops under attention's, and the tensor- and pipeline-parallel ones and Ulysses'
-  all-to-alls do not. Times are a model, not a measurement: `--validate` sets them against runs.
+  ring attention's hops under attention's, and the tensor- and pipeline-parallel ones and Ulysses' and
+  expert parallelism's all-to-alls do not. Times are a model, not a measurement: `--validate` sets them against runs.
 
 Rows are extrapolated where a number rests on something the tests did not measure; each says which.
 

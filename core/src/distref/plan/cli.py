@@ -83,6 +83,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     hw.add_argument(
         "--cp", type=positive_int, help="only context-parallel meshes of this degree (ring and Ulysses)"
     )
+    hw.add_argument(
+        "--ep", type=positive_int, help="only expert-parallel meshes of this degree (a mixture of experts)"
+    )
     hw.add_argument("--memory-gb", type=figure(1e9), help="memory per GPU, GB (10⁹ bytes)")
     hw.add_argument("--peak-tflops", type=figure(1e12), help="dense peak in the training's precision")
     hw.add_argument("--intra-node-gbps", type=figure(1e9), help="GB/s per GPU one way within a node")
@@ -222,14 +225,18 @@ def resolve_cluster(args: argparse.Namespace) -> Cluster:
     return Cluster(gpu, gpus)
 
 
-MESH_OPTIONS = {"--tp": "tensor", "--pp": "pipeline", "--cp": "context"}  # (what each splits the model by)
+# (what each splits the model by)
+MESH_OPTIONS = {"--tp": "tensor", "--pp": "pipeline", "--cp": "context", "--ep": "expert"}
 
 
-def check_mesh(tp: int | None, pp: int | None, cluster: Cluster, cp: int | None = None) -> None:
+def check_mesh(
+    tp: int | None, pp: int | None, cluster: Cluster, cp: int | None = None, ep: int | None = None
+) -> None:
     """A mesh asked for must divide the GPUs, and be one this project implements (2-D at most: one of
-    tensor, pipeline and context parallelism beside data parallelism)."""
-    asked = {name: degree for name, degree in zip(MESH_OPTIONS, (tp, pp, cp), strict=True) if degree}
-    split = [name for name, degree in asked.items() if degree > 1]
+    tensor, pipeline and context parallelism beside data parallelism; expert parallelism over its groups'
+    copies). --ep's degree 1 is a mesh of its own (every GPU holds every expert): with another, refused."""
+    asked = {name: degree for name, degree in zip(MESH_OPTIONS, (tp, pp, cp, ep), strict=True) if degree}
+    split = [name for name, degree in asked.items() if degree > 1 or name == "--ep"]
     if len(split) > 1:
         given = " with ".join(f"{name} {asked[name]}" for name in split)
         kinds = " and ".join(MESH_OPTIONS[name] for name in split)
@@ -314,8 +321,8 @@ def planned(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum,
         device="cpu" if args.gpu == "cpu" else "cuda",  # (whose kernels save the activations)
     )
-    check_mesh(args.tp, args.pp, cluster, args.cp)
-    plan = make_plan(model, cluster, training, args.tp, args.pp, args.cp)
+    check_mesh(args.tp, args.pp, cluster, args.cp, args.ep)
+    plan = make_plan(model, cluster, training, args.tp, args.pp, args.cp, args.ep)
     if not plan.rows:
         raise PlanError(f"no layout can run: {'; '.join(dict.fromkeys(w for _, w in plan.skipped))}")
     if args.json:

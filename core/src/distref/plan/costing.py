@@ -16,6 +16,7 @@ from distref.cost import activations as act
 from distref.cost.context_parallel import context_parallel_cost
 from distref.cost.counts import Counts, merge
 from distref.cost.data_parallel import ddp as ddp_communication
+from distref.cost.expert_parallel import expert_parallel_cost, is_expert_parameter, uniform_routing
 from distref.cost.memory import ZERO_PARTITIONS, mixed_precision, replicated
 from distref.cost.pipeline import model_parallel as model_parallel_communication
 from distref.cost.pipeline import pipeline as pipeline_communication
@@ -223,7 +224,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
             "impls/fsdp and impls/deepspeed_zero refuse a BatchNorm in 16 bits: its weights would be 16-bit, "
             "its running statistics fp32"
         )
-    if training.precision == "mixed":
+    if training.precision == "mixed" and layout.strategy != "ep":
         notes.append(
             "mixed precision: the ZeRO paper's bytes per parameter (DeepSpeed's own partition of the "
             "gradients and padding left out: distref.cost.zero.zero_bf16_model_states has them); activations "
@@ -235,7 +236,9 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
             "autocast: DeepSpeed casts the module to bf16 (no autocast over fp32 parameters): activations as "
             "its 16-bit parameters save them, states as fp32's"
         )
-    if model.gpt is not None and training.device == "cuda" and layout.strategy == "cp":
+    if layout.strategy == "ep":
+        notes += expert_parallel_notes(layout, model, training)
+    elif model.gpt is not None and training.device == "cuda" and layout.strategy == "cp":
         notes.append(
             "activations: ring attention saves its own q, k, v, output and log-sum-exp (no SDPA kernel); "
             "the formulas are measured exact on the CPU, not yet on a GPU"
@@ -259,7 +262,16 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
     slowdown, worst_rank = 0.0, None  # a pipeline's time over the ideal: its bubble, its slowest rank
     b, k = micro_steps(training, layout.dp)
     # (by strategy, not by mesh: tensor parallelism of degree 1 and a one-part model_parallel are theirs)
-    if layout.strategy in CONTEXT_PARALLEL:
+    if layout.strategy == "ep":
+        states, all_to_all, ddp_counts, copies = expert_parallel_costs(layout, model, training, b, k)
+        activations = None  # (not planned for a mixture of experts: expert_parallel_notes says so)
+        # the all-to-alls wait for what they carry (every MoE layer, forward and backward) within the
+        # expert-parallel group; DDP's all-reduce in the last backward and the experts' copies' after it,
+        # over every rank
+        merge_into(timed.setdefault(("after", cluster.link(layout.ep)), {}), all_to_all)
+        merge_into(timed.setdefault(("last", cluster.link(world)), {}), ddp_counts)
+        merge_into(timed.setdefault(("after", cluster.link(world)), {}), copies)
+    elif layout.strategy in CONTEXT_PARALLEL:
         states, activations, cp_counts, dp_counts = context_parallel_costs(layout, model, training, b, k)
         # the ring's hops hide under attention's compute; Ulysses' all-to-alls wait for what they carry
         phase = "attention" if layout.strategy == "cp" else "after"
@@ -300,7 +312,7 @@ def cost(layout: Layout, model: Model, cluster: Cluster, training: Training) -> 
         # (point-to-point on the critical path; the pipelines' all-reduce after the schedule)
         merge_into(timed.setdefault(("after", cluster.link(layout.pp)), {}), p2p)
         merge_into(timed.setdefault(("after", cluster.link(layout.pp * layout.dp)), {}), dp_counts)
-    if activations is None:
+    if activations is None and layout.strategy != "ep":
         notes.append("activations: no formula for this model (whether it fits is judged on its model states)")
     states_total = sum(states.values())
     total = states_total + (activations or 0)
@@ -453,6 +465,75 @@ def context_parallel_costs(layout: Layout, model: Model, training: Training, b: 
     attention = {kind: entry for kind, entry in communication.items() if kind in ATTENTION_KINDS}
     sharded = {kind: entry for kind, entry in communication.items() if kind not in ATTENTION_KINDS}
     return states, predicted.activations, attention, sharded
+
+
+EXPERT_PARALLEL_ACTIVATIONS = (
+    "activations: not planned for a mixture of experts yet (its router's, routed tokens' and experts' "
+    "hidden: runs measure them); whether it fits is judged on its model states"
+)
+
+
+def expert_parallel_notes(layout: Layout, model: Model, training: Training) -> list[str]:
+    """What an expert-parallel row rests on that no test measured."""
+    shape = model.gpt
+    notes = [EXPERT_PARALLEL_ACTIVATIONS]
+    if layout.ep > 1 and layout.routed_rows is None:
+        notes.append(
+            "uniform routing: each rank's experts receive as many rows as it sends (all-to-all bytes) and "
+            "compute an even share (time); a skewed router sends some ranks more"
+        )
+    if shape.expert_width != 4 * shape.hidden:
+        notes.append(
+            f"experts {shape.expert_width:,} wide, the preset's (distref.models builds 4 × hidden): planned by "
+            "distref.cost.expert_parallel's formulas, which take any shapes"
+        )
+    if training.precision == "mixed":
+        notes.append(
+            "mixed precision: the ZeRO paper's bytes per parameter of what a rank holds (its E/ep experts, "
+            "the rest whole); traffic as impls/expert_parallel's under --precision bf16 (bf16 tokens, fp32 "
+            "gradients)"
+        )
+    return notes
+
+
+def expert_parallel_costs(layout: Layout, model: Model, training: Training, b: int, k: int):
+    """impls/expert_parallel (each MoE layer's E experts spread over ep ranks, dp / ep copies of them; the
+    rest replicated by DDP over all dp ranks), by distref.cost.expert_parallel: rank 0's model states (its
+    E/ep experts and the rest whole) and apart its all-to-alls (under uniform routing, `uniform_routing`,
+    or a run's own: `routed_rows`), DDP's all-reduce of the rest's gradients, and the all-reduce of the
+    experts' copies."""
+    shape, world = model.gpt, layout.dp
+    named = list(zip(model.parameter_names, model.shapes, strict=True))
+    sent = b * shape.seq * shape.top_k  # rows a rank sends per MoE layer and micro-step: dropless
+    if layout.routed_rows is not None:  # (the micro-steps' rows in all: the bytes add up alike)
+        routed = [(sent, rows) for rows in layout.routed_rows]
+        routed += [(sent, 0)] * (shape.layers * (k - 1))
+    else:  # (--ep 1: a group of one moves nothing on the bus, as the impl, which sends nothing, does)
+        routed = uniform_routing(b * shape.seq, shape.top_k, shape.layers, k)
+    cost_of = functools.partial(
+        expert_parallel_cost,
+        world_size=world,
+        ep=layout.ep,
+        experts=shape.experts,
+        hidden=shape.hidden,
+        # bf16 as the impl computes under --precision bf16: bf16 tokens, fp32 parameters and gradients
+        precision="bf16" if training.precision in ("mixed", "autocast") else training.precision,
+        checkpointed=training.checkpointing,
+        optimizer=training.optimizer,
+        bucket_cap_mb=DDP_BUCKET_BYTES / 2**20,
+        step_bytes=4,
+    )
+    communication, states = cost_of(named, routed=routed)
+    # the experts' copies' all-reduce alone: the formula on the experts only, no tokens routed
+    copies, _ = cost_of([(n, s) for n, s in named if is_expert_parameter(n)], routed=[])
+    copied = copies.get("all_reduce", {})
+    dense = {key: value - copied.get(key, 0) for key, value in communication.get("all_reduce", {}).items()}
+    ddp_counts = {"all_reduce": dense} if dense.get("calls") else {}
+    all_to_all = {kind: entry for kind, entry in communication.items() if kind == "all_to_all"}
+    if training.precision == "mixed":
+        held = sum(math.prod(s) // (layout.ep if is_expert_parameter(n) else 1) for n, s in named)
+        states = mixed_precision(held, k=K_OPTIMIZER[training.optimizer])
+    return dict(states), all_to_all, ddp_counts, copies
 
 
 def tensor_parallel_costs(layout: Layout, model: Model, training: Training, b: int, k: int):

@@ -6,13 +6,17 @@ import dataclasses
 import math
 
 from distref.plan.cluster import Cluster
-from distref.plan.model import Model
+from distref.plan.model import MODELS, Model
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev")
 # every GPU a replica of the model's work, what they share partitioned: DDP, DeepSpeed ZeRO, FSDP2
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "zero1-offload", "zero2-offload", "zero3-offload", "fsdp")
 # impls/context_parallel's attention over the ranks that split each sequence: ring (its default), Ulysses
 CONTEXT_PARALLEL = ("cp", "cp-ulysses")
+# Why a mixture of experts gets impls/expert_parallel's rows alone
+ONLY_EXPERT_PARALLEL = (
+    "impls/expert_parallel alone trains gpt's mixture of experts (the other impls refuse --experts)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,9 +25,11 @@ class Layout:
     ranks, then the pipeline's stages, data parallelism outermost."""
 
     strategy: (
-        str  # ddp, zero1-3, zero*-offload, fsdp, hsdp, tp, cp, cp-ulysses, pp-<schedule>, model_parallel
+        str  # ddp, zero1-3, zero*-offload, fsdp, hsdp, tp, cp, cp-ulysses, pp-<schedule>, model_parallel, ep
     )
-    dp: int = 1  # data-parallel ranks (for hsdp: shard × replicas; for cp: groups of cp ranks)
+    # data-parallel ranks (for hsdp: shard × replicas; for cp: groups of cp ranks; for ep: every rank, each
+    # its slice of the batch)
+    dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1  # ranks that split each sequence
@@ -32,6 +38,10 @@ class Layout:
     # schedule's default and the balanced cut
     stages_per_rank: int | None = None
     partition: str | None = None
+    ep: int = 1  # ranks that share out each MoE layer's experts (dp / ep copies of them)
+    # The rows rank 0's experts received in a run's counted step, per MoE layer (--validate); None: uniform
+    # routing (each rank receives the rows it sends)
+    routed_rows: tuple[int, ...] | None = None
 
     @property
     def mesh(self) -> str:
@@ -47,6 +57,8 @@ class Layout:
         text = "×".join(parts)
         if self.strategy == "hsdp":
             text += f" (shard {self.shard} × replicate {self.dp // self.shard})"
+        if self.strategy == "ep":
+            text += f" (ep {self.ep} × replicate {self.dp // self.ep})"
         if self.stages_per_rank is not None:
             text += f", {self.stages_per_rank} stages per rank"
         if self.partition is not None:
@@ -60,14 +72,26 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def layouts(
-    model: Model, cluster: Cluster, tp: int | None = None, pp: int | None = None, cp: int | None = None
+    model: Model,
+    cluster: Cluster,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int | None = None,
+    ep: int | None = None,
 ) -> tuple[list[Layout], list[tuple[str, str]]]:
     """Every strategy and mesh a user would try on `cluster` (powers of two per dimension; only a tensor-,
-    pipeline- or context-parallel degree `tp` / `pp` / `cp` where one is given), and what was skipped,
-    with why."""
+    pipeline-, context- or expert-parallel degree `tp` / `pp` / `cp` / `ep` where one is given), and what
+    was skipped, with why. A mixture of experts: expert parallelism's meshes alone."""
     g, per_node = cluster.gpus, cluster.gpu.gpus_per_node
     found: list[Layout] = []
     skipped: list[tuple[str, str]] = []
+    if model.gpt is not None and model.gpt.experts:
+        if any(degree not in (None, 1) for degree in (tp, pp, cp)):
+            return [], [("tp, pp, cp", ONLY_EXPERT_PARALLEL)]
+        return expert_parallel_layouts(model, g, [ep] if ep else powers_of_two(g))
+    if ep is not None:
+        mixtures = ", ".join(name for name, shape in MODELS.items() if shape.experts)
+        return [], [("ep", f"expert parallelism spreads a mixture of experts' experts (--model {mixtures})")]
     if cp not in (None, 1):  # (one degree is asked for at most: distref.plan.cli.check_mesh)
         return context_parallel_layouts(model, g, [cp])
     if tp in (None, 1) and pp in (None, 1) and g == 1:
@@ -156,4 +180,24 @@ def context_parallel_layouts(
             skipped.append((f"cp{degree}-ulysses", f"Ulysses splits the {seq} positions: not evenly"))
         else:
             found.append(Layout("cp-ulysses", dp=gpus // degree, cp=degree))
+    return found, skipped
+
+
+def expert_parallel_layouts(
+    model: Model, gpus: int, degrees: list[int]
+) -> tuple[list[Layout], list[tuple[str, str]]]:
+    """impls/expert_parallel on `gpus`, each degree of `degrees` that divides the GPUs and the experts
+    (each rank of a group of that many holds E/ep of each layer's experts, gpus / ep groups hold a copy
+    each; every rank takes its slice of the batch). Beyond a node too: the all-to-alls then cross nodes.
+    What is skipped, with why: the other strategies, and the degrees that do not divide."""
+    experts = model.gpt.experts
+    found = []
+    skipped = [("ddp, zero1-3, fsdp, hsdp, tp, cp, pp, model_parallel", ONLY_EXPERT_PARALLEL)]
+    for degree in degrees:
+        if gpus % degree:
+            skipped.append((f"ep{degree}", f"must divide the {gpus} GPUs"))
+        elif experts % degree:
+            skipped.append((f"ep{degree}", f"must divide the {experts} experts"))
+        else:
+            found.append(Layout("ep", dp=gpus, ep=degree))
     return found, skipped

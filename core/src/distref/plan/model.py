@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from distref.cli import torchvision_problem
-from distref.config import GPT_MODELS, is_factory
+from distref.config import GPT_MODELS, MoEConfig, is_factory
 from distref.cost import activations as act
+from distref.cost.expert_parallel import is_expert_parameter
 from distref.cost.tensor_parallel import gpt_parameters
 from distref.data import DatasetInfo
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
@@ -36,6 +37,19 @@ MODELS = {
     "8b": GPTShape(layers=32, hidden=4096, heads=32, vocab=128256, seq=8192),  # Llama 3's sizes: 7.5B here
     "13b": GPTShape(layers=40, hidden=5120, heads=40, vocab=32000, seq=4096),
     "70b": GPTShape(layers=80, hidden=8192, heads=64, vocab=32000, seq=4096),
+    # Mixtures of experts (impls/expert_parallel alone trains them: only its rows are planned), each block's
+    # MLP E experts of their published width, GELU MLPs in this layout (SwiGLU's third matrix and grouped-
+    # query attention not modelled), at 4,096 positions. Mixtral 8x7B: 32 × 4096, 32 heads, 8 experts
+    # 14,336 wide, top-2, 32,000 tokens (arXiv 2401.04088, Table 1; its 32K context: --seq 32768): 32.5B
+    # parameters here, Mixtral's 46.7B. OLMoE-1B-7B: 16 × 2048, 16 heads, 64 experts 1,024 wide, top-8,
+    # 50,304 tokens, 4,096 positions (arXiv 2409.02060; allenai/OLMoE-1B-7B-0924's config.json): 4.8B here,
+    # OLMoE's 6.9B.
+    "mixtral-8x7b": GPTShape(
+        layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, experts=8, top_k=2, expert_hidden=14336
+    ),
+    "olmoe-1b-7b": GPTShape(
+        layers=16, hidden=2048, heads=16, vocab=50304, seq=4096, experts=64, top_k=8, expert_hidden=1024
+    ),
 }
 
 
@@ -60,6 +74,8 @@ class Model:
     block_flops: list[float] | None = None  # each block's forward and backward FLOPs, per sample
     autocast_output_bytes: list[int] | None = None  # each block's output per sample under bf16 autocast
     buffers: tuple[tuple[int, torch.dtype, int], ...] = ()  # (block, dtype, elements), module.buffers() order
+    # each parameter's name (model.named_parameters()) where the plan costs by name: a mixture of experts'
+    parameter_names: tuple[str, ...] | None = None
 
     @property
     def parameters(self) -> int:
@@ -87,6 +103,8 @@ def sample_input(sample_shape: Sequence[int], tokens: bool) -> torch.Tensor:
 
 def decoder(name: str, shape: GPTShape) -> Model:
     """A gpt of `shape`: its parameters, blocks, FLOPs (PaLM's formula) and activation formula."""
+    if shape.experts:
+        return mixture_of_experts(name, shape)
     params = gpt_parameters(shape.layers, shape.hidden, shape.vocab, shape.seq)
     shapes = [s for _, s, _ in params]
     per_block = [sum(math.prod(s) for n, s, _ in params if n.startswith(p)) for p in block_prefixes(shape)]
@@ -109,6 +127,51 @@ def decoder(name: str, shape: GPTShape) -> Model:
         [0.0] + [(6 * n + attention) * shape.seq for n in per_block[1:-1]] + [6.0 * per_block[-1] * shape.seq]
     )
     return Model(name, shapes, per_block, shape, per_token * shape.seq, shape.seq, formula, outputs, flops)
+
+
+def decoder_parameters(shape: GPTShape) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt's (name, shape) of each parameter in model.named_parameters() order; with experts, each block's
+    MLP a router and E stacked experts (distref.models.MoE: router, w1, b1, w2, b2)."""
+    dense = [(name, s) for name, s, _ in gpt_parameters(shape.layers, shape.hidden, shape.vocab, shape.seq)]
+    if not shape.experts:
+        return dense
+    h, e, f = shape.hidden, shape.experts, shape.expert_width
+    moe = [("router.weight", (e, h)), ("experts.w1", (e, h, f)), ("experts.b1", (e, f))]
+    moe += [("experts.w2", (e, f, h)), ("experts.b2", (e, h))]
+    named = []
+    for name, s in dense:
+        block, _, rest = name.partition(".")
+        if rest == "mlp.0.weight":  # (the MLP's first tensor: the router and experts in the MLP's place)
+            named += [(f"{block}.mlp.{part}", part_shape) for part, part_shape in moe]
+        elif not rest.startswith("mlp."):
+            named.append((name, s))
+    return named
+
+
+def mixture_of_experts(name: str, shape: GPTShape) -> Model:
+    """A gpt of `shape` whose blocks' MLPs are mixtures of experts: its parameters by name, its blocks, and
+    PaLM's FLOPs over the weights each token meets (the router, k of the E experts, the rest: 6 per weight
+    and token, and attention's 12·L·h·s). No activation formula (distref.cost.activations has none for a
+    mixture of experts yet)."""
+    named = decoder_parameters(shape)
+    shapes = [s for _, s in named]
+    per_block = [sum(math.prod(s) for n, s in named if n.startswith(p)) for p in block_prefixes(shape)]
+    experts = sum(math.prod(s) for n, s in named if is_expert_parameter(n))
+    active = sum(map(math.prod, shapes)) - experts + experts // shape.experts * shape.top_k
+    per_token = (
+        6 * (active - (shape.vocab + shape.seq) * shape.hidden) + 12 * shape.layers * shape.hidden * shape.seq
+    )
+    outputs = [shape.seq * shape.hidden] * (shape.layers + 1) + [shape.seq * shape.vocab]
+    return Model(
+        name,
+        shapes,
+        per_block,
+        shape,
+        per_token * shape.seq,
+        shape.seq,
+        block_outputs=outputs,
+        parameter_names=tuple(n for n, _ in named),
+    )
 
 
 def block_prefixes(shape: GPTShape) -> list[str]:
@@ -185,9 +248,12 @@ def block_outputs(module: torch.nn.Module, sample_shape: Sequence[int], tokens: 
     return sizes
 
 
-def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 2) -> Model:
-    """lenet, resnet18 or gpt (`gpt_layers` transformer blocks) as distref.models builds it for a dataset
-    (`info`; by default the model's usual one): its classes, input shape and vocabulary are the model's."""
+def project_model(
+    name: str, info: DatasetInfo | None = None, gpt_layers: int = 2, moe: MoEConfig | None = None
+) -> Model:
+    """lenet, resnet18 or gpt (`gpt_layers` transformer blocks; `moe`: its MLPs mixtures of experts) as
+    distref.models builds it for a dataset (`info`; by default the model's usual one): its classes, input
+    shape and vocabulary are the model's."""
     info = info or PROJECT_DATASETS[name]
     if name == "resnet18" and (why := torchvision_problem()):  # (it was an import's traceback)
         raise PlanError(
@@ -195,7 +261,7 @@ def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 
         )
     try:
         with torch.device("meta"):
-            module = build_model(name, info, gpt_layers)
+            module = build_model(name, info, gpt_layers, moe=moe)
     except ValueError as e:  # (lenet on images of another size, gpt on images)
         raise PlanError(str(e)) from None
     shapes = [tuple(p.shape) for p in module.parameters()]
@@ -204,12 +270,16 @@ def project_model(name: str, info: DatasetInfo | None = None, gpt_layers: int = 
     built = dict(
         shapes=shapes,
         block_parameters=blocks,
-        autocast_output_bytes=autocast_output_bytes(module, info.input_shape, tokens),
+        # (a mixture of experts' router counts tokens: no forward on fake tensors; no pipeline plans it)
+        autocast_output_bytes=None if moe else autocast_output_bytes(module, info.input_shape, tokens),
         buffers=module_buffers(module),
     )
     if name in GPT_MODELS:
         shape = act.gpt_shape(info, gpt_layers, name)
         shape = GPTShape(shape["layers"], shape["hidden"], shape["heads"], shape["vocab"], shape["seq"])
+        if moe is not None:  # (its experts 4 × hidden wide, as distref.models builds them)
+            shape = dataclasses.replace(shape, experts=moe.experts, top_k=moe.top_k)
+            built["parameter_names"] = tuple(name for name, _ in module.named_parameters())
         return dataclasses.replace(decoder(name, shape), **built)
 
     def formula(saving: act.Saving, checkpointed: bool):

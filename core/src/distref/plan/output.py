@@ -91,7 +91,14 @@ def footer(plan: Plan, notes: list[str]) -> list[str]:
         )
     if plan.rows and not plan.rows[0].fits:
         bigger = plan.smallest_cluster()
-        if bigger is None:
+        if bigger is None and plan.model.gpt is not None and plan.model.gpt.experts:
+            least = min(row.memory_per_gpu_bytes["model_states"] for row in plan.rows)
+            lines.append(
+                "Nothing fits, on any cluster of these GPUs: impls/expert_parallel spreads each layer's "
+                f"{plan.model.gpt.experts} experts over at most {plan.model.gpt.experts} GPUs and keeps every "
+                f"other parameter whole on each (DDP): at least {gb(least)} of model states per GPU here."
+            )
+        elif bigger is None:
             lines.append(
                 f"Nothing fits, on any cluster of these GPUs: beyond {plan.training.global_batch} GPUs the global "
                 "batch leaves a GPU no sample. Activations are the most of it: --activation-checkpointing keeps "

@@ -19,9 +19,10 @@ class Plan:
     training: Training
     rows: list[Row]  # ranked: fitting rows by tokens/s per GPU, then the rest by memory
     skipped: list[tuple[str, str]]
-    tp: int | None = None  # the degrees asked for (--tp, --pp, --cp), if any
+    tp: int | None = None  # the degrees asked for (--tp, --pp, --cp, --ep), if any
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
 
     def smallest_cluster(self, limit: int = 2**16) -> tuple[int, Row] | None:
         """Where nothing fits: the fewest GPUs (doubling) on which something would, and its best row."""
@@ -34,6 +35,7 @@ class Plan:
                 self.tp,
                 self.pp,
                 self.cp,
+                self.ep,
             )
             if bigger.rows and bigger.rows[0].fits:
                 return gpus, bigger.rows[0]
@@ -48,10 +50,11 @@ def make_plan(
     tp: int | None = None,
     pp: int | None = None,
     cp: int | None = None,
+    ep: int | None = None,
 ) -> Plan:
-    """Every layout (only those of tensor-, pipeline- or context-parallel degree `tp` / `pp` / `cp` where
-    given) costed and ranked."""
-    found, skipped = layouts(model, cluster, tp, pp, cp)
+    """Every layout (only those of tensor-, pipeline-, context- or expert-parallel degree `tp` / `pp` /
+    `cp` / `ep` where given) costed and ranked."""
+    found, skipped = layouts(model, cluster, tp, pp, cp, ep)
     rows = []
     for layout in found:
         try:
@@ -64,7 +67,9 @@ def make_plan(
         row.why = explain(row, usable, cluster)
         if row.strategy in CONTEXT_PARALLEL and row.fits:
             row.why = context_parallel_why(row, rows, model.gpt.seq)
-    return Plan(model, cluster, training, rows, skipped, tp, pp, cp)
+        if row.strategy == "ep":
+            row.why = expert_parallel_why(row, model.gpt.experts)
+    return Plan(model, cluster, training, rows, skipped, tp, pp, cp, ep)
 
 
 def rank_key(row: Row) -> tuple:
@@ -127,6 +132,14 @@ def context_parallel_why(row: Row, rows: list[Row], seq: int) -> str:
             f"{exposed_s(row):.2f} s, tp's {exposed_s(tp):.2f} s)"
         )
     return f"{row.why}; {held}"
+
+
+def expert_parallel_why(row: Row, experts: int) -> str:
+    """An expert-parallel row's why, with what each GPU holds of the experts and that its activations are
+    not planned (not for a mixture of experts yet: its model states alone decide whether it fits)."""
+    ep = row.layout.ep
+    held = f"{experts // ep} of each layer's {experts} experts per GPU"
+    return f"{row.why}; {held}; activations not planned (not for a mixture of experts yet)"
 
 
 def exposed_s(row: Row) -> float:

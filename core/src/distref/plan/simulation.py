@@ -24,6 +24,8 @@ def simulation_of(layout: Layout, row: Row) -> tuple[str, list[str]] | str:
     if layout.strategy in CONTEXT_PARALLEL:
         mode = "ulysses" if layout.strategy == "cp-ulysses" else "ring"
         return "context_parallel", ["--cp", str(layout.cp), "--dp-shard", str(layout.dp), "--cp-mode", mode]
+    if layout.strategy == "ep":
+        return "expert_parallel", ["--ep", str(layout.ep)]
     if layout.strategy in ("zero1", "zero2", "zero3"):
         return "deepspeed_zero", ["--zero-stage", layout.strategy[-1]]
     if layout.strategy.startswith("pp-"):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distref.config import GPT_MODELS, FactoryError, RunConfig, is_factory
+from distref.config import GPT_MODELS, FactoryError, MoEConfig, RunConfig, is_factory
 from distref.data import DataError, DatasetInfo
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.distributed.stages import default_stages_per_rank
@@ -30,6 +30,7 @@ IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its
     "deepspeed_zero": lambda world, o: Layout(f"zero{o['zero_stage']}", dp=world),
     "tensor_parallel": lambda world, o: tensor_parallel_layout(world, o.get("dp_shard"), o.get("tp")),
     "context_parallel": lambda world, o: context_parallel_layout(world, o),
+    "expert_parallel": lambda world, o: Layout("ep", dp=world, ep=o.get("ep") or world),  # (--ep: the world)
     "pipeline": lambda world, o: Layout(
         f"pp-{o['schedule']}",
         dp=o["dp"],
@@ -80,6 +81,25 @@ def context_parallel_layout(world: int, options: dict[str, Any]) -> Layout:
     return Layout("cp-ulysses" if options.get("cp_mode") == "ulysses" else "cp", dp=dp, cp=cp)
 
 
+def recorded_routing(record: dict[str, Any], layout: Layout) -> tuple[tuple[int, ...] | None, str]:
+    """The rows rank 0's experts received in the run's counted step, per MoE layer, from the record's
+    tokens per expert (summed over every rank: rank 0's group's alone where one group holds every expert,
+    ep = world), and what the validation line says of it; None where the record cannot tell (the plan's
+    uniform routing)."""
+    counted = (record.get("communication") or {}).get("step")
+    steps = [row for row in record.get("steps", []) if row.get("step") == counted]
+    per_expert = steps[0].get("tokens_per_expert") if steps else None
+    if layout.ep != layout.dp or per_expert is None:
+        why = "its tokens per expert sum every group's" if per_expert is not None else "no routing recorded"
+        return None, f"all-to-alls under uniform routing ({why} for the counted step)"
+    held = len(per_expert[0]) // layout.ep  # rank 0 holds experts 0 … E/ep − 1
+    received = tuple(sum(layer[:held]) for layer in per_expert)
+    return (
+        received,
+        f"all-to-alls as the counted step (step {counted}) routed: rank 0's experts received {sum(received):,} rows",
+    )
+
+
 def dataset_info(config: dict[str, Any]) -> DatasetInfo:
     """The DatasetInfo a run's model was built for, from its record's config: a named dataset's without
     reading it; a text file's or a dataset of yours read again (DataError where it is gone)."""
@@ -105,7 +125,9 @@ def record_model(config: dict[str, Any]) -> Model:
     info = dataset_info(config)
     if is_factory(config["model"]):
         return custom_model(config["model"], info.input_shape, info.kind == "sequence")
-    model = project_model(config["model"], info, config["gpt_layers"])
+    # (--experts, core 0.19.0 on: gpt's MLPs mixtures of experts)
+    moe = MoEConfig(config["experts"], config["top_k"]) if config.get("experts") else None
+    model = project_model(config["model"], info, config["gpt_layers"], moe)
     return dataclasses.replace(model, name=f"{config['model']} ({info.name})")
 
 
@@ -183,6 +205,11 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
             "impl": impl,
             "skipped": f"--model {config['model']}: context parallelism splits gpt's sequences",
         }
+    if impl == "expert_parallel" and config["model"] not in GPT_MODELS:  # (its check refuses others)
+        return {
+            "impl": impl,
+            "skipped": f"--model {config['model']}: expert parallelism spreads gpt's experts",
+        }
     if impl == "model_parallel" and options.get("devices"):
         notes.append(f"--devices {options['devices']}: one process holds every part; planned as one part")
     try:
@@ -200,7 +227,12 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         device="cpu" if record["environment"]["device"] == "cpu" else "cuda",
     )
     gpu = GPUS["cpu"] if record["environment"]["device"] == "cpu" else gpu_named(record["environment"])
-    row = cost(IMPL_LAYOUT[impl](world, options), model, Cluster(gpu, world), training)
+    layout = IMPL_LAYOUT[impl](world, options)
+    if impl == "expert_parallel" and layout.ep > 1:
+        routed, said = recorded_routing(record, layout)
+        layout = dataclasses.replace(layout, routed_rows=routed)
+        notes.append(said)
+    row = cost(layout, model, Cluster(gpu, world), training)
     rank = row.pipeline_rank or 0
     states = (record.get("model_state_bytes") or {rank: None})[rank]
     communication = ((record.get("communication") or {}).get("measured") or {rank: None})[rank]

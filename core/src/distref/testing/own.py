@@ -72,6 +72,17 @@ def example_tokens() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
 
 
+def skewed_tokens() -> tuple[TensorDataset, TensorDataset]:
+    """Token sequences of yours where one token is most of every sequence (17 of 20 on average), each
+    target the next token: a mixture of experts' router sends most tokens to the same expert (an uneven
+    routing: impls/expert_parallel's tests)."""
+    g = torch.Generator().manual_seed(0)
+    others = torch.randint(1, 10, (576, 21), generator=g)
+    tokens = torch.where(torch.rand(576, 21, generator=g) < 0.85, 0, others)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
+
+
 EXAMPLE_MODEL, EXAMPLE_DATASET = f"{__name__}:example_mlp", f"{__name__}:example_data"
 
 

@@ -148,9 +148,9 @@ def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
     from distref.models import build_model
     from distref.training import evaluate, param_dtype
 
-    cfg = parse_config(args, "score_saved_model")
+    cfg = parse_config(args, "score_saved_model", trains_experts=True)
     _, test_set, info = load_dataset(cfg)
-    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg))  # fp64 runs score in fp64
+    model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)  # fp64: scored in fp64
     model.load_state_dict(torch.load(state_dict_path, weights_only=True))
     _, correct, count = evaluate(model, eval_batches(test_set, 1000), torch.device("cpu"), cfg)
     return (correct / count).item()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from distref.config import RunConfig
+from distref.models import ROUTING
 from distref.record import RunRecord
 from distref.training.monitor import progress_bar, tensorboard_writer
 from distref.training.steps import stop_if_diverged
@@ -118,6 +119,9 @@ class StepLog:
         self.bar = progress_bar(cadence.n_steps, start_step, enabled=show, desc=desc or impl)
         self.tensorboard = tensorboard_writer(cfg, enabled=show)
         self.losses: list[torch.Tensor] = []  # per-step losses not yet in the record
+        # A mixture of experts' routing, per step: (tokens per expert, layers × E; the balance loss)
+        self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
+        ROUTING.take()  # (what set-up's forwards routed is not a step's)
         TRAFFIC.session_starts(start_step, cadence.n_steps)  # set-up's communication ends here
 
     def __enter__(self) -> StepLog:
@@ -143,17 +147,41 @@ class StepLog:
         host's clock measured it (None: CUDA events, read at the next `flush`)."""
         TRAFFIC.stop_counting()
         self.losses.append(loss)
+        if (routed := ROUTING.take()) is not None:
+            self.routing.append(routed)
         self.bar.update(1)
         return self.clock.stop(started)
 
     def flush(self, done: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """The pending losses into the record, `done` steps being done. `reduce` turns this rank's losses
-        (one tensor, one entry per step) into the run's, e.g. their mean over the ranks."""
+        (one tensor, one entry per step) into the run's, e.g. their mean over the ranks; with a mixture of
+        experts, its sum: each step's routing (tokens per expert, the balance loss) goes with the losses,
+        one row a step, summed over the ranks in the same call."""
         pending = torch.stack(self.losses)
+        if (
+            self.routing
+        ):  # [loss, balance loss, tokens per expert (layers × E)] a step, in fp64 (exact counts)
+            pending = torch.stack(
+                [
+                    torch.cat(
+                        [loss.reshape(1).double(), balance.reshape(1).double(), counts.flatten().double()]
+                    )
+                    for loss, (counts, balance) in zip(self.losses, self.routing, strict=True)
+                ]
+            )
         with TRAFFIC.counting("log"):  # (the first time: what logging adds to communication)
-            losses = (reduce(pending) if reduce else pending).tolist()
+            rows = (reduce(pending) if reduce else pending).tolist()
+        losses = [row[0] for row in rows] if self.routing else rows
+        routing = None
+        if self.routing:
+            layers, experts = self.routing[0][0].shape
+            routing = [
+                {"balance_loss": row[1], "tokens_per_expert": _table(row[2:], layers, experts)}
+                for row in rows
+            ]
+            self.routing = []
         first = done - len(losses)
-        self.record.add_steps(first, losses, self.clock.times())
+        self.record.add_steps(first, losses, self.clock.times(), routing)
         stop_if_diverged(losses, first, self.cfg, self.impl)  # nan/inf: exit 1
         self.bar.set_postfix(loss=f"{losses[-1]:.4f}")
         self.tensorboard.add_scalar("train/loss", losses[-1], done)
@@ -176,3 +204,7 @@ class StepLog:
         n_steps = self.cadence.n_steps
         self.bar.write(f"{self.impl}: step {done}/{n_steps} test accuracy {accuracy:.4f} loss {loss:.4f}")
         self.tensorboard.add_scalar("test/accuracy", accuracy, done)
+
+
+def _table(values: list[float], rows: int, columns: int) -> list[list[int]]:
+    return [[round(v) for v in values[r * columns : (r + 1) * columns]] for r in range(rows)]

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from distref.models import PARAMETER_PARTS
+
 
 def model_state_bytes(parameters: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of model state held for `parameters`, measured on the tensors: the parameters, their
@@ -127,7 +129,8 @@ class SavedActivations:
         local = getattr(local, "elem", local)
         if _of_a_parameter(tensor) or _of_a_parameter(local):
             return tensor
-        if local.untyped_storage().data_ptr() in self.parameter_storages:
+        storage = local.untyped_storage().data_ptr()
+        if storage in self.parameter_storages or storage in PARAMETER_PARTS:  # (a DTensor parameter's part)
             return tensor
         return _Saved(tensor, local, self)
 
