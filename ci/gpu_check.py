@@ -225,6 +225,15 @@ def plan_jobs(
         train = str(ROOT / "impls" / "ddp" / "train.py")
         argv = [python, train, "--nproc-per-node", "1", *options]
         jobs.append(Job(f"ddp ×1 {feature}", "feature", argv, run_out, impl="ddp"))
+    # The impls made for gpt's mixture of experts, at world 1 on the one GPU too (the world-1 rows train the
+    # dense gpt): on CUDA its optimizer takes a mix of DTensors and plain tensors, which CPU runs never meet
+    for impl in (i for i, settings in IMPLS.items() if settings.get("experts") == "required"):
+        run_out = out / "features" / f"{impl}-experts"
+        options = [*GPT, "--experts", "4", "--steps", str(steps), "--device", device, "--out", str(run_out)]
+        argv = [python, str(ROOT / "impls" / impl / "train.py"), "--nproc-per-node", "1", *options]
+        jobs.append(
+            Job(f"{impl} ×1 gpt experts", "feature", argv, run_out, needs=impl_needs(impl), impl=impl)
+        )
     # The benchmark (ci/gpu_bench.py), last and alone (run_all): its own budget, its table in gpu-check.md
     budget = BENCH_BUDGET_S if bench_budget_s is None else bench_budget_s
     bench = [python, str(ROOT / "ci" / "gpu_bench.py"), "--device", device, "--out", str(out / "bench")]

@@ -58,6 +58,9 @@ def test_one_gpu_runs_what_fits_and_says_what_needs_two(gpu_check, tmp_path):
     assert all(f in jobs[0].argv for f in ("impls/ddp/tests/test_ddp.py", "impls/fsdp/tests/test_fsdp.py"))
     assert {j.name for j in jobs if j.alone} == {"gpu tests"} | {n for n in world_one if n.endswith("bf16")}
     assert {"ddp ×1 fp16", "ddp ×1 activation-checkpointing", "ddp ×1 profiler"} <= set(names(jobs))
+    # expert_parallel, made for the mixture of experts, at world 1 with experts
+    experts = next(j for j in jobs if j.name == "expert_parallel ×1 gpt experts")
+    assert experts.argv[2:4] == ["--nproc-per-node", "1"] and "--experts" in experts.argv
 
 
 def test_two_gpus_run_every_session(gpu_check, tmp_path):

@@ -1,6 +1,7 @@
 """The GPU path's logic, shown on the CPU (no CUDA here): what training's peak memory counts, and what
 crosses gather_object. What only a GPU can show is listed in the impl READMEs as not run on one yet."""
 
+import pytest
 import torch
 
 import distref.distributed.collectives
@@ -131,3 +132,35 @@ def test_a_skipped_gpu_test_fails_where_the_gpu_tests_must_run():
     assert run_script(args, timeout=120).returncode == 0  # skipped, as everywhere without GPUs
     required = run_script(args, env={"DISTREF_REQUIRE_GPU": "1"}, timeout=120)
     assert required.returncode == 1 and "a gpu test skipped where DISTREF_REQUIRE_GPU=1" in required.stdout
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_an_optimizer_over_dtensors_and_plain_tensors_steps_where_foreach_is_the_default(
+    optimizer, monkeypatch
+):
+    """expert_parallel's parameters mix DTensors (the experts) and plain tensors (the rest). On CUDA torch's
+    default is foreach, whose kernels refuse the mix ("got mixed torch.Tensor and DTensor"): made here as
+    on CUDA (the CPU made a foreach device), make_optimizer's step still runs, and steps as the plain loop."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.optim import optimizer as torch_optimizer
+
+    from distref.training.optim import make_optimizer
+
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu", "cuda"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        plain = torch.nn.Parameter(torch.randn(4, 3))
+        shard = torch.nn.Parameter(distribute_tensor(torch.randn(2, 3), mesh, [Shard(0)]))
+        expected = [plain.detach().clone(), shard.to_local().detach().clone()]
+        plain.grad, shard.grad = torch.ones(4, 3), distribute_tensor(torch.ones(2, 3), mesh, [Shard(0)])
+        cfg = parse_config(["--optimizer", optimizer, "--lr", "0.1", "--dataset", "synthetic"], "test")
+        make_optimizer(cfg, [plain, shard]).step()
+        # (SGD: lr · grad; AdamW's first step: lr · sign(grad), the decoupled decay 0)
+        assert torch.allclose(plain.detach(), expected[0] - 0.1, atol=1e-6)
+        assert torch.allclose(shard.to_local().detach(), expected[1] - 0.1, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

@@ -35,7 +35,8 @@ def test_adamw_is_fused_on_cuda_and_foreach_on_the_cpu(monkeypatch):
     assert make_optimizer(cfg, linear.parameters()).defaults["fused"] is True
     split = torch.nn.Parameter(torch.zeros(2))
     split.to_local = lambda: split  # (a DTensor beside plain tensors: a plan of yours splitting some)
-    assert not make_optimizer(cfg, [*linear.parameters(), split]).defaults["fused"]
+    mixed = make_optimizer(cfg, [*linear.parameters(), split]).defaults
+    assert not mixed["fused"] and mixed["foreach"] is False  # (CUDA's default foreach refuses the mix too)
     sgd = make_optimizer(parse_config(["--optimizer", "sgd"], "single"), linear.parameters())
     assert not sgd.defaults.get("fused")
 

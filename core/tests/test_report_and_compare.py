@@ -483,6 +483,7 @@ def test_compare_can_validate_every_impl():
     for info in found.values():
         distributed = info["launcher"] == "torchrun"
         model = ["--model", "gpt", "--dataset", "synthetic"] if info["models"] else []
+        model += ["--experts", "4"] if info["experts"] == "required" else []  # (expert_parallel)
         run_args, _ = with_target(with_defaults(DEFAULT_WORKLOAD, model))
         cfg = validate(info["train"], run_args, 2 if distributed else 1, distributed)
         assert cfg.model == ("gpt" if info["models"] else "lenet")

@@ -145,7 +145,7 @@ def all_to_all_experts(
     send = torch.tensor(counts, device=tokens.device)
     # 1. Every rank learns how many tokens each rank sends to each of its experts (row r: rank r's)
     received = funcol.all_to_all_single(send, None, None, group).view(ep, local_experts).tolist()
-    send_sizes = send.view(ep, local_experts).sum(dim=1).tolist()  # tokens to rank i: its experts'
+    send_sizes = [sum(counts[i * local_experts : (i + 1) * local_experts]) for i in range(ep)]  # to rank i
     receive_sizes = [sum(row) for row in received]
     if routed is not None:
         routed.add(tokens.shape[0], sum(receive_sizes))

@@ -442,7 +442,8 @@ def experts_problem(cfg: RunConfig) -> str | None:
         given = [
             o for o, v, d in (("--top-k", cfg.top_k, 2), ("--balance-loss", cfg.balance_loss, 0.01)) if v != d
         ]
-        return f"{' and '.join(given)} shape gpt's experts: give --experts too" if given else None
+        shape = "shape" if len(given) > 1 else "shapes"
+        return f"{' and '.join(given)} {shape} gpt's experts: give --experts too" if given else None
     if cfg.model not in GPT_MODELS:
         return (
             f"--experts makes gpt's MLPs experts, not --model {cfg.model}'s: use --model "

@@ -83,9 +83,10 @@ def rewrite_imports(text: str, package: str) -> str:
 
 def first_run(settings: dict) -> str:
     """The short run an export suggests: synthetic data, 50 steps, on the impl's own model if it trains
-    only some (tensor_parallel: gpt)."""
+    only some (tensor_parallel: gpt), with experts where it trains a mixture of them only (expert_parallel)."""
     model = f"--model {settings['models'][0]} " if settings.get("models") else ""
-    return f"python train.py {model}--dataset synthetic --steps 50"
+    experts = "--experts 4 " if settings.get("experts") == "required" else ""
+    return f"python train.py {model}--dataset synthetic {experts}--steps 50"
 
 
 def exported_readme(text: str, impl: str, package: str, stamp: dict, launcher: str, run: str) -> str:

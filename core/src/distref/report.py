@@ -79,8 +79,8 @@ EFFICIENCY_NOTE = (
 ROUTING_NOTE = (
     "A mixture of experts' router decides how many tokens each expert takes (each token counts once for "
     "each of its top k experts, over the whole global batch: every rank's, summed), recorded every step. "
-    "Load imbalance is the busiest expert's tokens ÷ the mean: 1.00 is even, E is every token on one "
-    "expert. Dropless: no token is dropped whatever the imbalance, so parity holds at any routing, but under "
+    "Load imbalance is the busiest expert's tokens ÷ the mean: 1.00 is even, E/k every token sending one "
+    "of its k choices to the same expert. Dropless: no token is dropped whatever the imbalance, so parity holds at any routing, but under "
     "expert parallelism the rank holding the busiest expert receives and computes the most (the all-to-all "
     "bytes in the cost table are that step's). The load-balancing loss (--balance-loss) pulls towards 1.00."
 )

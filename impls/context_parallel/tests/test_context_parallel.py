@@ -26,6 +26,7 @@ from distref.testing import (
     launch,
     load_train_module,
     max_relative_difference,
+    own,
     parity_args,
     score_saved_model,
     self_launched,
@@ -195,7 +196,8 @@ def test_masked_targets_equal_plain_single(world, options, single_reference, tmp
 def test_token_data_of_yours_is_split_at_its_own_length(single_train, tmp_path, capsys):
     """--model gpt on token sequences of yours (distref.testing.own:example_tokens, 20 tokens each): ring ×2
     equals single; --cp 4 would cut them into 8 chunks, which 20 tokens are not: one line, exit 2."""
-    args = ["--model", "gpt", "--dataset", "distref.testing.own:example_tokens", "--optimizer", "sgd"]
+    # (by the module's name, which an exported project's vendored copy changes: a string would not follow it)
+    args = ["--model", "gpt", "--dataset", f"{own.__name__}:example_tokens", "--optimizer", "sgd"]
     args += ["--lr", "0.05", "--steps", "6", "--global-batch-size", "16"]
     single_train.main([*args, "--save-final", str(tmp_path / "s.pt")])
     run_cp(2, [*args, "--save-final", str(tmp_path / "c.pt")])

@@ -18,15 +18,23 @@ def total_steps(cfg: RunConfig, num_train_samples: int) -> int:
 
 
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     params = list(params)
-    # Fused on CUDA: the whole update in one kernel over every parameter, where foreach makes ~7 passes
-    # (~2 ms a step for GPT-2 small on an H200). Not over a mix of DTensors and plain tensors, which the
-    # kernel refuses (a tp_plan of yours that splits some layers); not on the CPU (FUSED_ADAMW_DEVICES).
+    # A mix of DTensors and plain tensors (expert parallelism's experts beside the replicated rest; a
+    # tp_plan of yours that splits some layers): the fused and foreach kernels refuse a list mixing them
+    # ("got mixed torch.Tensor and DTensor"), and foreach is torch's default on CUDA: one parameter at a
+    # time instead (foreach=False; on the CPU, torch's default anyway).
     mixed = len({hasattr(p, "to_local") for p in params}) > 1  # (only DTensor has to_local)
+    foreach = False if mixed else None
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay, foreach=foreach
+        )
+    # Fused on CUDA: the whole update in one kernel over every parameter, where foreach makes ~7 passes
+    # (~2 ms a step for GPT-2 small on an H200). Not on the CPU (FUSED_ADAMW_DEVICES).
     fused = not mixed and all(p.device.type in FUSED_ADAMW_DEVICES for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None, foreach=foreach
+    )
 
 
 def lr_factor(schedule: str, step: int, total: int) -> float:
