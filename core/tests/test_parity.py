@@ -123,3 +123,26 @@ def test_the_matrix_runs_every_row_again_on_masked_targets(masked, tmp_path, mon
         assert ("masked" in cell["args"]) == on_masked
         if on_masked and cell["column"] == ["fp32", "adamw"]:
             assert cell["skip"].startswith("gpt AdamW amplifies fp32 rounding")
+
+
+def test_a_variant_giving_a_run_contract_option_is_refused_in_one_line(tmp_path, capsys):
+    """A parity variant is the impl's own options: single's reference runs without it. One that single
+    takes too (--top-k, which shapes the model) would compare unlike runs (top-1 against top-2: 0.73
+    apart), so the matrix refuses it before running anything, and every impl's table is clean."""
+    import shutil
+
+    from distref.parity import main, options_single_takes, parity_settings
+
+    for pyproject in sorted((ROOT / "impls").glob("*/pyproject.toml")):
+        assert options_single_takes(parity_settings(pyproject.parent)["variants"]) == [], pyproject
+    impls = tmp_path / "impls"
+    for impl in ("single", "expert_parallel"):
+        shutil.copytree(ROOT / "impls" / impl, impls / impl, ignore=shutil.ignore_patterns("tests"))
+    table = impls / "expert_parallel" / "pyproject.toml"
+    table.write_text(
+        table.read_text().replace('variants = [[], ["--ep", "2"]]', 'variants = [["--top-k", "1"]]')
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--impls", "expert_parallel", "--impls-dir", str(impls), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "expert_parallel's parity variants give --top-k, a run-contract option" in capsys.readouterr().err

@@ -20,7 +20,7 @@ What each impl runs comes from its pyproject.toml, [tool.distref.parity]: `world
 (strategy options, one row each) and `sums` ("world": each rank sums its own slice, S = world × K; "one":
 every rank sees the whole batch, S = K), `model` (an impl that trains one model only: its rows, and their
 single references, train that model instead of the workload's), `model_options` (options shaping the model,
-given to single's references too: --experts) and `inexact_fp32` (why fp32 AdamW is not
+given to single's references too: --experts; a variant giving one is refused) and `inexact_fp32` (why fp32 AdamW is not
 exact whatever S, e.g. tensor parallelism splitting each matmul's sum). A new impl joins by adding that
 table. Cases an impl refuses (DeepSpeed in fp64) show its one-line reason. Writes parity.md (a report section) and parity.json.
 """
@@ -78,6 +78,16 @@ def parity_settings(impl_dir: Path) -> dict:
         "model_options": table.get("model_options", []),
         "inexact_fp32": table.get("inexact_fp32"),
     }
+
+
+def options_single_takes(variants: list[list[str]]) -> list[str]:
+    """The options in an impl's parity `variants` that are the run contract's (single's too): a variant
+    is the strategy's own options, and single's reference runs without it (expert_parallel's --top-k 1 as
+    a variant once compared top-1 runs with top-2 references: 0.73 apart)."""
+    from distref.cli import build_parser
+
+    core = build_parser("single")._option_string_actions
+    return sorted({option for variant in variants for option in variant if option in core})
 
 
 def oracle(impl: str, settings: dict, world: int, accum: int, precision: str, optimizer: str) -> tuple:
@@ -235,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     cells, references = [], set()
     for impl in chosen:
         info, settings = available[impl], parity_settings(available[impl]["train"].parent)
+        if shared := options_single_takes(settings["variants"]):
+            parser.error(
+                f"{impl}'s parity variants give {', '.join(shared)}, a run-contract option that single's "
+                "reference would not get: list it in [tool.distref.parity] model_options instead"
+            )
         distributed = info["launcher"] == "torchrun"
         own_model = ("--model", settings["model"]) if settings["model"] else ()  # replaces the workload's
         for model, variant in itertools.product((own_model, MASKED_WORKLOAD), settings["variants"]):
