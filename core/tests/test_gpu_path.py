@@ -164,3 +164,30 @@ def test_an_optimizer_over_dtensors_and_plain_tensors_steps_where_foreach_is_the
         assert torch.allclose(shard.to_local().detach(), expected[1] - 0.1, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_dtensor_parameters_local_part_is_model_state_while_it_lives(tmp_path):
+    """The saved-tensor meter takes a view of a DTensor parameter's local part (an expert's weight a matmul
+    saves) for model state, and forgets it with the parameter: a later tensor at the same address is an
+    activation again (a set of addresses once made a later test's activations 44% short)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from distref.models import PARAMETER_PARTS, local
+    from distref.training.measure import SavedActivations
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        parameter = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+        meter = SavedActivations()
+        saved = meter.pack(local(parameter)[1])  # (a row of it, as w1[e])
+        assert meter.live == 0 and isinstance(saved, torch.Tensor)  # (returned as is: not counted)
+        del parameter, saved
+        gc.collect()
+        assert len(PARAMETER_PARTS) == 0
+    finally:
+        dist.destroy_process_group()

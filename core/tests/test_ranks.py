@@ -175,7 +175,8 @@ def test_on_two_or_three_gpus_every_impl_runs_at_the_count_they_all_fit(monkeypa
     assert capsys.readouterr().out == "compare: world size 2, one rank per GPU of 2 × a GPU\n"
     monkeypatch.setattr(compare, "cuda_gpus", lambda: (3, "3 × a GPU"))
     gpt = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "48"]
-    assert compare.default_world(available, list(available), gpt) == (2, [])
+    chosen, _ = compare.made_for_the_model(available, list(available), gpt)  # (expert_parallel: not dense)
+    assert compare.default_world(available, chosen, gpt) == (2, [])
     assert capsys.readouterr().out == (
         "compare: world size 2, one rank per GPU of 3 × a GPU; not more: 3 ranks: context_parallel: --cp 3 "
         "with ring attention splits each sequence into 2 × 3 = 6 chunks (the load balanced causal split): "

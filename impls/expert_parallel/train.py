@@ -40,7 +40,7 @@ import torch.distributed as dist  # --- EP ---
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distref import impl_version
@@ -169,11 +169,14 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, *, routed: RoutedRows | None = 
     experts i·E/ep.., every group a copy, "ep_replicate"), and its run_experts the all-to-all dispatch
     (`all_to_all_experts`). Every rank built the same parameters (same seed): each keeps its shard, with no
     communication."""
+    ep_rank, ep = mesh["ep"].get_local_rank(), mesh["ep"].size()
     for module in model.modules():
         if isinstance(module, MoE):
             experts = module.experts
             for name, parameter in list(experts.named_parameters(recurse=False)):
-                shard = distribute_tensor(parameter.data, mesh, [Replicate(), Shard(0)], src_data_rank=None)
+                rows = parameter.shape[0] // ep  # (this rank's experts: rows ep_rank·E/ep ...)
+                mine = parameter.data[ep_rank * rows : (ep_rank + 1) * rows].clone()
+                shard = DTensor.from_local(mine, mesh, [Replicate(), Shard(0)], run_check=False)
                 experts.register_parameter(name, nn.Parameter(shard))
             if mesh["ep"].size() > 1:  # (one rank holding every expert: they run where the tokens are)
                 module.run_experts = functools.partial(

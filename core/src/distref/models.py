@@ -12,13 +12,13 @@ import copy
 import dataclasses
 import functools
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from distref.config import (
@@ -173,19 +173,22 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-# The storages of DTensor parameters' local parts that `local` handed out: model state, not activations,
-# for the saved-tensor meter (distref.training.measure), which cannot tell a plain view of one (an expert's
-# weight a matmul saves) from an input's
-PARAMETER_PARTS: set[int] = set()
+# The local parts of DTensor parameters that `local` handed out, by id (weakly: an entry goes with its
+# tensor, so a later tensor at the same address is not taken for one): model state, not activations, for
+# the saved-tensor meter (distref.training.measure), which cannot tell a plain view of one (an expert's
+# weight a matmul saves) from an input's.
+PARAMETER_PARTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (the experts a rank holds, expert parallelism), or the tensor itself."""
-    if not isinstance(tensor, DTensor):
+    """A DTensor's local part (the experts a rank holds, expert parallelism), or the tensor itself. (By
+    its method: DTensor's public module is torch 2.5's, and core runs on 2.4.)"""
+    if not callable(getattr(type(tensor), "to_local", None)):
         return tensor
     part = tensor.to_local()
     if isinstance(tensor, nn.Parameter) and not torch.compiler.is_compiling():
-        PARAMETER_PARTS.add(part.untyped_storage().data_ptr())
+        whole = part if part._base is None else part._base
+        PARAMETER_PARTS[id(whole)] = whole
     return part
 
 

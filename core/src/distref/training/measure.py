@@ -129,14 +129,19 @@ class SavedActivations:
         local = getattr(local, "elem", local)
         if _of_a_parameter(tensor) or _of_a_parameter(local):
             return tensor
-        storage = local.untyped_storage().data_ptr()
-        if storage in self.parameter_storages or storage in PARAMETER_PARTS:  # (a DTensor parameter's part)
+        if local.untyped_storage().data_ptr() in self.parameter_storages or _of_a_parameter_part(local):
             return tensor
         return _Saved(tensor, local, self)
 
     @staticmethod
     def unpack(packed):
         return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+def _of_a_parameter_part(tensor: torch.Tensor) -> bool:
+    """A view of a DTensor parameter's local part (distref.models.local handed it out)."""
+    whole = tensor if tensor._base is None else tensor._base
+    return PARAMETER_PARTS.get(id(whole)) is whole
 
 
 def _of_a_parameter(tensor: torch.Tensor) -> bool:
