@@ -286,9 +286,8 @@ class MoE(nn.Module):
         self.top_k, self.balance_weight = moe.top_k, moe.balance_loss / moe.sequences_per_step
         self.router = nn.Linear(cfg.n_embd, moe.experts, bias=False)
         self.experts = Experts(moe.experts, cfg.n_embd, 4 * cfg.n_embd)
-        self.run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = (
-            None  # None: self.experts
-        )
+        # None: self.experts run the tokens here (expert parallelism sets its all-to-all dispatch)
+        self.run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(router probabilities, N × E; the k chosen experts of each token, N × k)."""
@@ -321,8 +320,9 @@ class MoE(nn.Module):
             counts = [len(order) // experts + (e < len(order) % experts) for e in range(experts)]
         else:
             counts = torch.bincount(chosen.flatten(), minlength=experts)
-            balance = self.balance_loss(probs, chosen, B)
-            ROUTING.add(self, counts, balance)
+            if torch.is_grad_enabled():  # (training: evaluation has no loss to balance, nothing to log)
+                balance = self.balance_loss(probs, chosen, B)
+                ROUTING.add(self, counts, balance)
             counts = counts.tolist()  # (a host sync: the groups' sizes)
         routed = tokens[order // self.top_k]
         if not tokens.is_meta and torch.is_autocast_enabled(x.device.type):  # the experts' matmuls cast

@@ -60,11 +60,6 @@ def is_expert_parameter(name: str) -> bool:
     return ".experts." in name
 
 
-def compute_bytes(precision: str) -> int:
-    """Bytes of an element the experts take and give: bf16's 2, fp64's 8, else fp32's 4."""
-    return {"bf16": 2, "fp64": 8}.get(precision, 4)
-
-
 def uniform_routing(tokens: int, top_k: int, layers: int, micro_batches: int) -> list[tuple[int, int]]:
     """The (rows sent, rows received) of each MoE layer's forward on a rank of `tokens` tokens per
     micro-batch, routing even: every rank receives what it sends."""
@@ -133,7 +128,7 @@ def expert_parallel_cost(
         routed,
         experts=experts,
         hidden=hidden,
-        element_bytes=compute_bytes(precision),
+        element_bytes=saving_for(precision).compute,  # (bf16: the tokens are cast before they are sent)
         ep=ep,
         checkpointed=checkpointed,
     )
