@@ -281,3 +281,18 @@ def test_single_with_experts_holds_the_activations_and_model_states_the_formulas
     record = load_record(tmp_path)
     check_activations_predicted(record)
     check_model_states_predicted(record)
+
+
+def test_single_with_experts_compiles_with_activation_checkpointing(single_train, tmp_path, monkeypatch):
+    """--compile with --activation-checkpointing: the MoE layer runs eagerly (its groups' sizes are the
+    routing's), the rest compiled; compiled, its recomputation went through another graph and
+    checkpointing refused it at step 0. The run trains, its graphs counted, its activations as predicted."""
+    from distref.record import load_record
+    from distref.testing import COST_RUN, check_activations_predicted
+
+    monkeypatch.setenv("DISTREF_COMPILE_BACKEND", "aot_eager")
+    args = ["--model", "gpt", *COST_RUN, "--experts", "4", "--compile", "--activation-checkpointing"]
+    single_train.main([*args, "--out", str(tmp_path)])
+    record = load_record(tmp_path)
+    assert record["status"] == "completed" and record["strategy"]["compiled_graphs"] > 0
+    check_activations_predicted(record)

@@ -451,7 +451,8 @@ def experts_problem(cfg: RunConfig) -> str | None:
         )
     if cfg.top_k > cfg.experts:
         return (
-            f"--top-k {cfg.top_k} sends each token to more experts than there are (--experts {cfg.experts})"
+            f"--top-k {cfg.top_k} sends each token to more experts than there are (--experts {cfg.experts}): "
+            f"give --top-k {cfg.experts} or fewer (the default is 2)"
         )
     if cfg.precision == "fp16":
         # The load-balancing loss reaches the router as a gradient of its own (distref.models.MoE), which

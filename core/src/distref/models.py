@@ -306,6 +306,10 @@ class MoE(nn.Module):
         p = probs.reshape(sequences, -1, experts).mean(dim=1)
         return self.balance_weight * experts * (f * p).sum()
 
+    # Run eagerly under --compile: its groups' sizes are data (the routing). Compiled, dynamo broke the
+    # graph at them and, with activation checkpointing, recomputed the block through another graph whose
+    # saved tensors checkpointing refused ("Recomputed values ... have different metadata", torch 2.13)
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
