@@ -1,6 +1,7 @@
 """Fixtures and hooks for core/tests and every impls/<x>/tests; the helpers tests import live in
 `distref.testing`."""
 
+import json
 import os
 
 # The CPU suite runs with GPUs hidden (before torch looks for them): on a GPU machine `--device auto` would
@@ -26,6 +27,7 @@ from distref.testing import (
     load_train_module,
     parity_args,
 )
+from distref.testing.timing import seconds_by_test, time_by_kind
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +39,19 @@ def _remember_the_running_test(request):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """With `-m faults`: the faults table (distref.testing.fault_table); after the SLURM tests, their jobs."""
+    """With `-m faults`: the faults table (distref.testing.fault_table); the time by kind of test; after
+    the SLURM tests, their jobs."""
     if "faults" in (config.getoption("markexpr") or ""):
         for line in fault_table(terminalreporter.stats):
             terminalreporter.write_line(line)
+    # Where the suite's time went, by kind of test (beside --durations' slowest tests)
+    reports = [r for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "nodeid")]
+    reports = [r for r in reports if getattr(r, "when", None)]  # (tests' phases, not collection's)
+    for line in time_by_kind(reports):
+        terminalreporter.write_line(line)
+    if durations := os.environ.get("DISTREF_TEST_DURATIONS"):  # .ci/run: the budget's lines (ci/budget.py)
+        Path(durations).parent.mkdir(parents=True, exist_ok=True)
+        Path(durations).write_text(json.dumps(seconds_by_test(reports), indent=0) + "\n")
     rows = [
         value
         for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])

@@ -1,5 +1,5 @@
 """Sessions: `<impl>-cpu`, `<impl>-gpu`, `<impl>-bench`, `compare`, `compare-gpu`, `parity`, `faults`, `export`,
-`lint`, `tests`, `tests-gpu`, `gpu-check`, `gpu-bench`, `torch-floor`, `slurm`, `mutants`.
+`lint`, `tests`, `tests-gpu`, `gpu-check`, `gpu-bench`, `startup-bench`, `torch-floor`, `slurm`, `mutants`.
 
 Every venv installs with `-c ci/constraints.txt` (or $DISTREF_CONSTRAINTS), so torch is never resolved
 unpinned. `nox -s single-cpu -- --steps 100` passes arguments through to train.py; they replace the
@@ -151,6 +151,14 @@ for _impl in IMPLS:
 
         _bench.__doc__ = f"Benchmark impls/{_impl} (prints a table; see impls/{_impl}/benchmark.py)."
         nox.session(name=f"{_impl}-bench")(_bench)
+
+
+@nox.session(name="startup-bench")
+def startup_bench(session: nox.Session) -> None:
+    """Every impl's start-up, from `python train.py` to its first step, beside `import torch`: a table
+    (ci/startup_bench.py; docs/testing.md). `-- --repeats 5 --impls single ddp`"""
+    install_core(session, "tqdm", *impl_requirements(*IMPLS))
+    session.run("python", str(ROOT / "ci" / "startup_bench.py"), *session.posargs)
 
 
 def _compare(session: nox.Session, device: str) -> None:

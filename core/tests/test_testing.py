@@ -89,3 +89,42 @@ def test_a_run_that_needs_torchvision_is_skipped_where_it_does_not_import(monkey
     )
     monkeypatch.setattr(workloads, "_torchvision_problem", lambda: None)
     workloads.skip_where_torchvision_cannot_serve(["--dataset", "cifar10"])  # where it imports: runs
+
+
+def test_every_module_the_fork_server_preloads_imports():
+    """The fork server skips a preloaded name that does not import without a word: a stale name (they
+    once named distref.testing.* modules that do not exist) made every rank import distref anew."""
+    import importlib
+
+    from distref.testing import PRELOADED
+
+    for name in PRELOADED:
+        importlib.import_module(name)
+
+
+def test_the_time_by_kind_table_sums_each_kind_and_the_first_kind_that_holds_wins():
+    from types import SimpleNamespace
+
+    from distref.testing.timing import STARTED_PROCESSES, time_by_kind
+
+    def report(nodeid, duration, properties=(), keywords=()):
+        return SimpleNamespace(
+            nodeid=nodeid, duration=duration, user_properties=list(properties), keywords=keywords
+        )
+
+    reports = [
+        report("t.py::test_a", 1.0),
+        report("t.py::test_a", 2.0),  # (another phase of the same test)
+        report("t.py::test_b[compile-is-a-no-op]", 0.0),  # (its parameters do not make it a compile test)
+        report("t.py::test_ranks", 10.0, [STARTED_PROCESSES]),
+        report("t.py::test_compiled_blocks", 5.0, [STARTED_PROCESSES]),
+        report("t.py::test_killed_rank", 20.0, [STARTED_PROCESSES], keywords=("faults",)),
+    ]
+    rows = time_by_kind(reports)
+    assert rows[2:] == [
+        "| one process | 2 | 3 | 8% |",
+        "| multi-process | 1 | 10 | 26% |",
+        "| compile | 1 | 5 | 13% |",
+        "| faults | 1 | 20 | 53% |",
+        "| all | 5 | 38 | 100% |",
+    ]

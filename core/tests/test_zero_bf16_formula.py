@@ -149,23 +149,3 @@ def test_the_rank_cost_uses_the_bf16_formulas_and_says_why_where_there_is_none()
     assert cost(3, "fp32", world=1).communication == counts(
         reduce_scatter=(1, 63 * 4, 0.0), all_reduce=(1, 8, 0.0)
     )
-
-
-def test_a_session_of_two_steps_has_no_stage_3_communication_formula():
-    """The counted step is the third of a session, or the last of a shorter one: in a session's second step
-    ZeRO-3 checks its recorded fetch trace across ranks (broadcasts), which no formula counts; the record
-    says so. Stages 1 and 2 are steady from their second step."""
-    parameters = ModelParameters(
-        shapes=tuple((n,) for n in NUMELS),
-        element_bytes=(4,) * len(NUMELS),
-        uses=(ParameterUse(),) * len(NUMELS),
-        gradient_order=(3, 2, 1, 0),
-    )
-    settings = dict(bucket_elements=BIG, prefetch_elements=BIG, grad_accum=1, offload=False)
-    settings |= dict(optimizer="adamw", step_bytes=4, precision="fp32")
-    for stage, predicted in ((3, False), (2, True)):
-        cost = zero_rank_cost(parameters, 1, 0, stage, **settings, session_steps=2)
-        assert (cost.communication is not None) == predicted
-        assert cost.model_states is not None
-        if not predicted:
-            assert "ZeRO-3 in a session of 2 step(s)" in cost.unavailable["communication"]

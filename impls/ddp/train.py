@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
                 states = dict(model=model.module.state_dict(), optimizer=optimizer.state_dict())
                 save_step_checkpoint(cfg, due.done, n_steps, record, **states, scaler=scaler.state_dict())
 
-    # --- DDP: rank 0 saves the full fp32 state_dict of the core model (keys identical for every impl)
+    # --- DDP: rank 0 saves the full state_dict of the core model (fp32; fp64 under --precision fp64)
     if cfg.save_final and is_main:
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # --- DDP: every rank's memory and model states (a full replica each), beside the formulas', and what

@@ -432,7 +432,6 @@ def main(argv: list[str] | None = None) -> dict:
         activations=predicted_for_run(
             cfg, info, world_size, device.type, parameters=parameters_in(compute_dtype, autocast=False)
         ),
-        session_steps=n_steps - start_step,  # (ZeRO-3's second step checks its trace: not the steady one)
     )
     finish_record(record, cfg.global_batch_size, state_bytes, world_size, predicted)  # --- ZERO: to rank 0
     if is_main:

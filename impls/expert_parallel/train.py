@@ -115,17 +115,18 @@ def make_mesh(world_size: int, ep: int, device: torch.device) -> DeviceMesh:
 
 
 class RoutedRows:
-    """What each MoE layer's all-to-alls carried on this rank, per step: (rows sent, rows received) per
-    layer call, for the cost formula (distref.cost.expert_parallel) of the step whose communication is
-    counted. A recomputed forward (activation checkpointing) is not a routing of its own: not listed."""
+    """What each MoE layer's all-to-alls carried on this rank in the step whose communication is counted
+    (`recording` while it runs): (rows sent, rows received) per layer call, for the cost formula
+    (distref.cost.expert_parallel); no other step's, so nothing grows with the run. A recomputed forward
+    (activation checkpointing) is not a routing of its own: not listed."""
 
     def __init__(self) -> None:
-        self.step: int | None = None
-        self.by_step: dict[int, list[tuple[int, int]]] = {}
+        self.recording = False
+        self.rows: list[tuple[int, int]] = []
 
     def add(self, sent: int, received: int) -> None:
-        if self.step is not None and torch._C._current_graph_task_id() == -1:  # (-1: not in a backward)
-            self.by_step.setdefault(self.step, []).append((sent, received))
+        if self.recording and torch._C._current_graph_task_id() == -1:  # (-1: not in a backward)
+            self.rows.append((sent, received))
 
 
 def all_to_all_experts(
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     with log, profiler(cfg, rank=rank) as prof:  # --- EP: one trace per rank
         for step in range(start_step, n_steps):
             started = log.step_starts(step)
-            routed.step = step  # --- EP: this step's all-to-all sizes, for the cost formula
+            routed.recording = step == TRAFFIC.counted_step  # --- EP: its all-to-all sizes, for the formula
             # This step's random numbers (dropout): a function of (seed, step), so a resumed run draws
             # what an uninterrupted one does. (Each impl says which stream each of its ranks draws.)
             seed_step(cfg.seed, step, stream=rank, devices=[device])  # --- EP: each rank its own stream
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         usage,
         world_size=world_size,
         ep=ep,
-        routed=routed.by_step.get(TRAFFIC.counted_step, []),
+        routed=routed.rows,
         bucket_cap_mb=BUCKET_CAP_MB,
         device=device.type,
     )

@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
                     states.update(cut_points=cuts, scaler=scaler.state_dict())
                     save_step_checkpoint(cfg, due.done, n_steps, record, **states)
 
-    if cfg.save_final:  # --- MODEL PARALLEL: rank 0 gathers every part into the full fp32 state_dict
+    if cfg.save_final:  # --- MODEL PARALLEL: rank 0 gathers every part into the full state_dict
         save_whole_state(cfg.save_final, unwrap_state_dict(model), world_size)
     # --- MODEL PARALLEL: every rank's hand-offs, memory and model states, beside the formulas', to rank 0
     record.add_strategy_facts(**links.meter.gathered(world_size))

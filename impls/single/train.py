@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
                 states = dict(model=model.state_dict(), optimizer=optimizer.state_dict())
                 save_step_checkpoint(cfg, due.done, n_steps, record, **states, scaler=scaler.state_dict())
 
-    if cfg.save_final:  # full fp32 state_dict of the core model; keys identical for every impl
+    if cfg.save_final:  # the core model's full state_dict (fp32; fp64 in fp64); keys the same in every impl
         save_checkpoint(cfg.save_final, unwrap_state_dict(model))
     # Model states (a full replica: gradients and optimizer state of the parameters that receive a
     # gradient) and activations by formula (distref.cost), beside the measured ones; one process

@@ -44,7 +44,7 @@ from distref.config import (
 from distref.data.datasets import sequence_length_problem, train_set_size
 from distref.data.tensors import DataError
 from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
-from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints
+from distref.training.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_problem, checkpoints
 from distref.your_model import own_code_problem
 
 
@@ -130,7 +130,6 @@ def build_parser(
         "--top-k",
         metavar="K",
         type=positive_int,
-        default=2,
         help="experts each token is sent to, their outputs weighed by the router's renormalised "
         "probabilities (default 2; 1: Switch's)",
     )
@@ -138,7 +137,6 @@ def build_parser(
         "--balance-loss",
         metavar="ALPHA",
         type=non_negative_float,
-        default=0.01,
         help="weight of the load-balancing loss, E·Σ f_i·P_i per sequence, averaged over the global batch "
         "(default 0.01, Switch's)",
     )
@@ -206,9 +204,14 @@ def build_parser(
     p(
         "--save-final",
         metavar="PATH",
-        help="write the final full fp32 state_dict (core model keys) to this file",
+        help="write the model's final full state_dict (the core model's keys; fp32 parameters, fp64 under "
+        "--precision fp64, whatever the training precision) to this file; never over an existing file",
     )
-    p("--checkpoint-dir", metavar="DIR", help="write checkpoints to this folder")
+    p(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="write checkpoints to this folder (one that holds another run's only with --resume)",
+    )
     p(
         "--checkpoint-every",
         metavar="N",
@@ -347,6 +350,10 @@ def parse_config(
     ns = vars(parser.parse_args(argv))
     launch = {k: ns.pop(k) for k in LAUNCH_OPTIONS if k in ns}
     core_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"strategy", "launch"}
+    # The experts' options have no argparse default, so that giving one is told from not giving it (at
+    # its default value too): without --experts, either given is refused (experts_problem).
+    moe_given = [f"--{k.replace('_', '-')}" for k in MOE_SHAPE_OPTIONS if ns[k] is not None]
+    ns.update({k: getattr(RunConfig, k) for k in MOE_SHAPE_OPTIONS if ns[k] is None})
     core = {k: v for k, v in ns.items() if k in core_fields}
     own = {k: v for k, v in ns.items() if k not in core_fields}
     cfg = RunConfig(**core, strategy=strategy_options(**own) if strategy_options else None)
@@ -382,6 +389,7 @@ def parse_config(
     )
     problem = (
         problem
+        or experts_problem(cfg, given=moe_given)
         or validate(cfg, shards, cuts_model, processes=world_size or 1)
         or (check(cfg, world_size or 1) if check else None)
     )
@@ -436,12 +444,20 @@ def gpus_problem(cfg: RunConfig, world_size: int) -> str | None:
     return None
 
 
-def experts_problem(cfg: RunConfig) -> str | None:
-    """What is wrong with the mixture-of-experts options (--experts, --top-k, --balance-loss), or None."""
+MOE_SHAPE_OPTIONS = ("top_k", "balance_loss")  # what shapes gpt's experts, given --experts
+
+
+def experts_problem(cfg: RunConfig, given: Sequence[str] | None = None) -> str | None:
+    """What is wrong with the mixture-of-experts options (--experts, --top-k, --balance-loss), or None.
+    `given`: the options of MOE_SHAPE_OPTIONS the command line gave (None for a RunConfig made in code:
+    those that differ from their defaults)."""
     if not cfg.experts:
-        given = [
-            o for o, v, d in (("--top-k", cfg.top_k, 2), ("--balance-loss", cfg.balance_loss, 0.01)) if v != d
-        ]
+        if given is None:
+            given = [
+                f"--{k.replace('_', '-')}"
+                for k in MOE_SHAPE_OPTIONS
+                if getattr(cfg, k) != getattr(RunConfig, k)
+            ]
         shape = "shape" if len(given) > 1 else "shapes"
         return f"{' and '.join(given)} {shape} gpt's experts: give --experts too" if given else None
     if cfg.model not in GPT_MODELS:
@@ -481,6 +497,8 @@ def validate(
         return f"--gpt-layers sets the depth of --model gpt, not of --model {cfg.model}"
     if problem := experts_problem(cfg):
         return problem
+    if cfg.precision == "fp16" and not uses_cuda(cfg):  # (before a model of yours is tried in fp16)
+        return "--precision fp16 needs CUDA (GradScaler); on CPU use --precision bf16"
     own_code = is_factory(cfg.model) or is_factory(cfg.dataset)
     if not own_code and cfg.dataset not in MODEL_DATASETS[cfg.model]:
         allowed = ", ".join(MODEL_DATASETS[cfg.model])
@@ -529,8 +547,6 @@ def validate(
         )
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this torch build"
-    if cfg.precision == "fp16" and not uses_cuda(cfg):
-        return "--precision fp16 needs CUDA (GradScaler); on CPU use --precision bf16"
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         return "--checkpoint-every needs --checkpoint-dir"
     if cfg.resume == "auto" and not cfg.checkpoint_dir:
@@ -541,15 +557,48 @@ def validate(
         return f"--resume: {problem}"
     if (cfg.profile or cfg.tensorboard) and not cfg.out:
         return "--profile and --tensorboard write under --out; give --out DIR"
-    if cfg.resume == "auto" and cfg.checkpoint_dir:
-        starts_over = not checkpoints(cfg.checkpoint_dir)  # --resume auto without a checkpoint: a new run
-    else:
-        starts_over = cfg.resume is None
-    if cfg.out and starts_over and (Path(cfg.out) / "record.json").exists():
+    return written_over_problem(cfg)
+
+
+def written_over_problem(cfg: RunConfig) -> str | None:
+    """What the run would write over that an earlier run left, or None: a run never replaces another's
+    files. A run that starts over needs an --out without a record.json, a --checkpoint-dir without
+    checkpoints (where it writes any) and a --save-final that does not exist; a resumed run continues its
+    own files, but may not write checkpoints over those later than the one it resumes (a branch goes to
+    another --checkpoint-dir) nor make a checkpoint a --save-final file."""
+    held = checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else []
+    resumes = cfg.resume is not None and not (cfg.resume == "auto" and not held)  # (auto, none yet: starts)
+    writes_checkpoints = cfg.checkpoint_every > 0
+    continue_it = "continue that run with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
+    if cfg.out and not resumes and (Path(cfg.out) / "record.json").exists():
+        return f"--out {cfg.out} already holds a record.json; choose another --out, or {continue_it}"
+    if held and writes_checkpoints and cfg.resume is None:
         return (
-            f"--out {cfg.out} already holds a record.json; choose another --out, or continue that run "
-            "with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
+            f"--checkpoint-dir {cfg.checkpoint_dir} already holds checkpoints of a run (the newest "
+            f"{held[-1].name}), which this one would write over; continue that run with --resume auto, or "
+            "choose another --checkpoint-dir"
         )
+    if held and writes_checkpoints and cfg.resume not in (None, "auto"):
+        resumed = Path(cfg.resume).resolve()
+        in_folder = resumed.parent == Path(cfg.checkpoint_dir).resolve()  # (else: another run's folder)
+        later = [p.name for p in held if not in_folder or p.name > resumed.name]
+        if later:
+            return (
+                f"--resume {cfg.resume} would write over --checkpoint-dir {cfg.checkpoint_dir}'s "
+                f"{', '.join(later[:2])}{' ...' if len(later) > 2 else ''}; continue from the newest with "
+                "--resume auto, or branch into another --checkpoint-dir"
+            )
+    if cfg.save_final and Path(cfg.save_final).exists():
+        final = Path(cfg.save_final).resolve()
+        is_checkpoint = CHECKPOINT_NAME.match(final.name) or (
+            cfg.resume not in (None, "auto") and final == Path(cfg.resume).resolve()
+        )
+        if is_checkpoint or not resumes:
+            what = "a checkpoint" if is_checkpoint else "a file"
+            return (
+                f"--save-final {cfg.save_final} is {what} already there, which this run would write over; "
+                f"choose another path{', or ' + continue_it if not resumes and not is_checkpoint else ''}"
+            )
     return None
 
 

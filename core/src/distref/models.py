@@ -280,6 +280,13 @@ class MoE(nn.Module):
     in → their outputs, in the same order. None: the experts run them here; expert parallelism sets one that
     sends each group to the rank holding its expert and brings the outputs back."""
 
+    # Run eagerly under --compile (distref.training.compile disables dynamo on its forward): its groups'
+    # sizes are data (the routing). Compiled, dynamo broke the graph at them and, with activation
+    # checkpointing, recomputed the block through another graph whose saved tensors checkpointing refused
+    # ("Recomputed values ... have different metadata", torch 2.13). (Not `@torch.compiler.disable` here:
+    # that imports dynamo, a second of every run's start-up, where only a compiled run needs it.)
+    runs_eagerly = True
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         moe = cfg.moe
@@ -306,10 +313,6 @@ class MoE(nn.Module):
         p = probs.reshape(sequences, -1, experts).mean(dim=1)
         return self.balance_weight * experts * (f * p).sum()
 
-    # Run eagerly under --compile: its groups' sizes are data (the routing). Compiled, dynamo broke the
-    # graph at them and, with activation checkpointing, recomputed the block through another graph whose
-    # saved tensors checkpointing refused ("Recomputed values ... have different metadata", torch 2.13)
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)

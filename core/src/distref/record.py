@@ -28,6 +28,10 @@ from distref.provenance import git_sha
 from distref.schedulers import scheduler_info
 
 SCHEMA_VERSION = 1
+# The step of a session whose communication and activations are counted (0-based; distref.training.traffic):
+# its first builds the optimizer's state and pipelining's shapes, its second DDP's rebuilt buckets (whose
+# layout rank 0 broadcasts) and ZeRO-3's check of its fetch trace across ranks; the third is steady.
+COUNTED_SESSION_STEP = 2
 SCHEMA_PATH = Path(__file__).with_name("record.schema.json")
 
 
@@ -207,8 +211,8 @@ class RunRecord:
         self._session_start = self._run_start  # until start_training()
         # Training's peak memory on each device this rank computes on (model_parallel --devices: several).
         self.memory = TrainingPeakMemory(memory_devices or [device])
-        if self.out:
-            self.out.mkdir(parents=True, exist_ok=True)
+        # --out is made when the first file is written: a run refused before then (a checkpoint of another
+        # run) leaves no empty folder behind.
 
     # -- time ---------------------------------------------------------------------------------------
     def start_training(self) -> None:
@@ -245,7 +249,7 @@ class RunRecord:
             row.update(routed)
         self.data["steps"].extend(rows)
         if self.out:
-            with open(self.out / "steps.jsonl", "a") as f:
+            with open(self._file("steps.jsonl"), "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
 
     def add_strategy_facts(self, **facts: Any) -> None:
@@ -257,8 +261,12 @@ class RunRecord:
         """What each rank communicated and held for backward in its counted step (distref.training.traffic's
         summary: the step, its phases, its saved activations); `finish` adds what the formulas predict."""
         steps = {c["step"] for c in counted_per_rank}
+        step = steps.pop() if len(steps) == 1 else None
+        # (none counted: a session of fewer than 3 steps, every rank saying why)
+        why = next((c["not_counted"] for c in counted_per_rank if c.get("not_counted")), None)
         self.data["communication"] = {
-            "step": steps.pop() if len(steps) == 1 else None,
+            "step": step,
+            "not_counted": why if step is None else None,
             "measured": [c["phases"].get("step") for c in counted_per_rank],
             "predicted": None,
             "phases": {
@@ -394,11 +402,16 @@ class RunRecord:
         self.data["finished_at"] = _now()
         if not self.out:
             return None
-        path = self.out / "record.json"
+        path = self._file("record.json")
         tmp = path.with_name(f".record.json.tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.data, indent=1) + "\n")
         os.replace(tmp, path)
         return path
+
+    def _file(self, name: str) -> Path:
+        """`name` under --out, the folder made if it is not there yet."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        return self.out / name
 
     # -- resume -------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -433,8 +446,24 @@ class RunRecord:
         self._startup_before = float(state.get("startup_s", 0.0))
         self._wall_before = float(state.get("wall_s", state["elapsed_s"]))
         if self.out:  # steps logged after the checkpoint by the interrupted session are dropped
-            with open(self.out / "steps.jsonl", "w") as f:
+            with open(self._file("steps.jsonl"), "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in self.data["steps"])
+
+
+def not_counted(record: dict[str, Any]) -> str | None:
+    """Why a record holds no steady step's communication and activations to set beside the formulas, or
+    None: its session ran fewer than 3 steps and counted none (the record says why), or, in a record from
+    before that rule, the step it counted was its session's first or second."""
+    communication = record.get("communication") or {}
+    step = communication.get("step")
+    if step is None:
+        return communication.get("not_counted")
+    resumes = record.get("resumes") or []
+    first = resumes[-1]["step"] if resumes else 0  # (the session's first step)
+    if step - first < COUNTED_SESSION_STEP:
+        which = ("first", "second")[max(step - first, 0)]
+        return f"step {step}, its session's {which}, is not a steady one: a session's third is"
+    return None
 
 
 def load_record(path: str | Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from distref.config import RUN_DEFINING_OPTIONS, defining_value
 from distref.parity_metric import max_relative_difference
-from distref.record import load_record
+from distref.record import load_record, not_counted
 
 # Options that define the workload: two runs are compared only if these are equal. What defines a run
 # (as for resuming it: the model, the data, the optimizer's trajectory), and its length and target.
@@ -622,7 +622,9 @@ def busiest_rank(measured: list[dict]) -> int:
 
 def communication_cells(record: dict[str, Any]) -> list[str]:
     """[per step (the busiest rank's calls and bytes per kind), its bus bytes, vs formula ("exact", or
-    each rank and kind that differs: measured − formula)]."""
+    each rank and kind that differs: measured − formula)]; "not counted" where no steady step was."""
+    if (why := not_counted(record)) is not None:
+        return ["not counted", "—", f"not counted ({why})"]
     measured = measured_communication(record)
     if measured is None:
         return ["—", "—", "—"]
@@ -655,11 +657,23 @@ def _calls_and_bytes(counts: dict) -> dict:
     return {kind: (c["calls"], c["bytes"]) for kind, c in counts.items()}
 
 
+DIFFERS = "**differs**"  # how a "vs formula" cell that differs begins
+
+
 def _differences(differences: list[str]) -> str:
     if not differences:
         return "exact"
     more = f" (and {len(differences) - 2} more)" if len(differences) > 2 else ""
-    return "**differs** (measured − formula): " + "; ".join(differences[:2]) + more
+    return f"{DIFFERS} (measured − formula): " + "; ".join(differences[:2]) + more
+
+
+def formula_differences(record: dict[str, Any]) -> dict[str, str]:
+    """The record's costs that differ from their formulas, each as its "vs formula" cell says it
+    ({"communication": "**differs** (measured − formula): rank 0 …"}); {} where every one is exact, has no
+    formula or was not counted. What a check fails on (ci/gpu_check.py)."""
+    communication, memory = communication_cells(record), memory_cells(record)
+    cells = {"communication": communication[2], "model states": memory[1], "activations": memory[3]}
+    return {name: cell for name, cell in cells.items() if cell.startswith(DIFFERS)}
 
 
 STATE_KINDS = ("parameters", "gradients", "optimizer")
@@ -668,10 +682,11 @@ STATE_KINDS = ("parameters", "gradients", "optimizer")
 def memory_cells(record: dict[str, Any]) -> list[str]:
     """[model states, vs formula, activations, vs formula]: per rank, the most of any rank; vs formula
     "exact" (every rank, every kind), the differences (measured − formula), "no formula" (the record has
-    a place for one but the impl gave none) or — (an older record: no place for one)."""
+    a place for one but the impl gave none), "not counted" (activations: no step counted) or — (an older
+    record: no place for one; or nothing measured: a resumed session with no steps left)."""
     states = [s for s in record.get("model_state_bytes") or [] if s]
     predicted = record.get("model_state_bytes_predicted")
-    if "model_state_bytes_predicted" not in record:
+    if "model_state_bytes_predicted" not in record or not states:  # (no place for one, or not measured)
         states_vs = "—"
     elif not predicted or all(p is None for p in predicted):
         states_vs = "no formula"
@@ -690,6 +705,8 @@ def memory_cells(record: dict[str, Any]) -> list[str]:
     predicted_held = activations.get("predicted")
     if not activations:
         held_vs = "—"
+    elif all(m is None for m in measured_held):  # (held in the counted step: none was counted)
+        held_vs = f"not counted ({why})" if (why := not_counted(record)) else "—"
     elif not predicted_held or all(p is None for p in predicted_held):
         held_vs = "no formula"
     else:
@@ -1007,6 +1024,8 @@ def parity_cells(run: Run, baseline: Run | None, base_state: dict | None) -> lis
         return ["not checked (`python -m distref.compare` checks it)", "", "", drift]
     check = json.loads(path.read_text())
     oracle = f"{check['oracle']}, {check['precision']}, {check['steps']} steps"
+    if "not_checked" in check:  # (ci/gpu_check.py's: no exact oracle among the runs it has)
+        return [f"not checked: {check['not_checked']}", "", "", drift]
     if "refused" in check:
         exact = f"n/a: the impl refuses it ({check['refused']})"
     elif "error" in check:

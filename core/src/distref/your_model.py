@@ -6,13 +6,15 @@ not hold (docs/own-project.md, "The contract").
 Every impl (`own_code_problem`, from distref.cli's validate):
   - each function imports and returns what it must (distref.models.own_model, distref.data.own_dataset):
     the model an nn.Module, the dataset (train, test) datasets of (input, target) pairs;
-  - the model's forward takes a few of the dataset's inputs and gives logits the loss takes with their
-    targets: a finite loss, as many logits as the targets have classes or more;
+  - the model's forward takes a few of the dataset's inputs and gives a tensor of logits the loss takes
+    with their targets: a finite loss, as many logits as the targets have classes or more; computed as
+    the run computes (`--precision`: fp64 parameters and inputs, bf16 or fp16 autocast), on the CPU;
   - with --activation-checkpointing (in an impl that does not cut the model itself), the model is an
     nn.Sequential of blocks: what recomputes block by block.
 Cut between ranks (model_parallel, pipeline: `cut_problem`): the model is an ordered sequence of blocks,
-its children, whose composition is its forward (`block_sequence_problem`), no parameter is shared by two
-blocks (`tied_across_blocks`), and the cut gives every part parameters.
+its children, each giving the next a tensor, whose composition is its forward (`block_sequence_problem`,
+in the run's precision), no parameter is shared by two blocks (`tied_across_blocks`), and the cut gives
+every part parameters.
 Sharded block by block (fsdp: `own_model_tied_across_blocks`): no parameter shared by two blocks.
 Split by tensor parallelism (tensor_parallel: `tp_model_problem`, then `tp_split_problem` on the ranks):
 the model carries its plan, `tp_plan` {linear layer's name: "colwise" | "rowwise"}; no parameter is
@@ -26,8 +28,13 @@ stays in the impl's train.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import os
+import textwrap
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,11 +43,17 @@ from distref.config import GPT_MODELS, FactoryError, RunConfig, first_line, is_f
 from distref.data import DataError, sample_batch
 from distref.distributed.partition import MODEL_DATASETS as PROJECT_DATASETS
 from distref.distributed.partition import block_sizes, choose_cut_points, named_block_sizes
-from distref.models import BlockModel, build_model, gpt_config, on_meta, own_model
+from distref.models import BlockModel, build_model, gpt_config, on_meta, own_model, parameter_dtype
+from distref.training.device import autocast_for
 from distref.training.measure import local_part
 from distref.training.steps import loss_sum
 
 PLAN_STYLES = ("colwise", "rowwise")  # what a tp_plan may name (impls/tensor_parallel: STYLES)
+# Where the checks try a model: before any rank, so on the CPU, taking no GPU. A CUDA run's autocast is
+# tried as the CPU's autocast in its dtype (both cast matmuls, convolutions and attention).
+CHECKED_ON = torch.device("cpu")
+# Code that is not the model's: where an operation failed is the last line outside these.
+LIBRARIES = tuple(str(Path(file).parent) + os.sep for file in (torch.__file__, __file__))
 
 
 def on_meta_else_real(build: Callable[[], nn.Module]) -> nn.Module:
@@ -52,43 +65,136 @@ def on_meta_else_real(build: Callable[[], nn.Module]) -> nn.Module:
         return build()
 
 
+def as_the_run_computes(precision: str) -> contextlib.AbstractContextManager:
+    """The autocast a run in `precision` computes its forward and loss under (distref.training.device:
+    bf16, or fp16 on CUDA; none for fp32 and fp64), on the CPU where the checks try a model."""
+    return autocast_for(precision, CHECKED_ON)
+
+
+def run_inputs(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """A sample batch's inputs as the run's are: float ones in the parameters' dtype (float64 under
+    fp64, as load_dataset makes them), tokens as they are."""
+    return x.to(parameter_dtype(precision)) if x.is_floating_point() else x
+
+
+@contextlib.contextmanager
+def modules_running(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
+    """The model's submodules whose forward is running, outermost first (forward hooks keep the list):
+    an exception leaves it as it was where it was raised, its last entry the module that raised it."""
+    running: list[tuple[str, nn.Module]] = []
+
+    def left(name: str) -> None:
+        while running and running.pop()[0] != name:  # (and any an exception caught inside left behind)
+            pass
+
+    handles = []
+    for name, module in model.named_modules():
+        # (the model itself is no place in it; TorchScript modules take no hooks)
+        if name and not isinstance(module, torch.jit.ScriptModule):
+            entered = module.register_forward_pre_hook(lambda m, _, name=name: running.append((name, m)))
+            handles += [entered, module.register_forward_hook(lambda m, _, __, name=name: left(name))]
+    try:
+        yield running
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def failure(exc: Exception, running: list[tuple[str, nn.Module]]) -> str:
+    """What failed, in one line: the module running when `exc` was raised, the last line of code outside
+    torch and distref (the model's, or its library's: the operation that failed), and the exception's
+    first line."""
+    where = ""
+    if running:
+        name, module = running[-1]
+        where = f" in its module '{name}' ({type(module).__name__})"
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if not f.filename.startswith(LIBRARIES)), None)
+    if frame is not None:
+        code = textwrap.shorten(frame.line or "", 80, placeholder=" ...")
+        where += f", at {Path(frame.filename).name}:{frame.lineno}" + (f" `{code}`" if code else "")
+    return f"{where}: {type(exc).__name__}: {first_line(exc)}"
+
+
+def described(value: object) -> str:
+    """What a forward gave instead of a tensor: its type, and a mapping's keys (a Hugging Face
+    ModelOutput is one)."""
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} (keys: {', '.join(map(str, value))})"
+    return f"a {type(value).__name__}"
+
+
+@torch.no_grad()
+def first_batch_problem(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str
+) -> tuple[torch.Tensor | None, str | None]:
+    """(logits, None) of `model` in eval mode on a first batch, forward and loss computed as a run in
+    `precision` computes them (its parameters in their dtype already, `x` the run's inputs: run_inputs),
+    or (None, why not) in one line."""
+    with as_the_run_computes(precision), modules_running(model) as running:
+        try:
+            logits = model.eval()(x)
+        except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
+            return None, (
+                f"a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in the "
+                f"forward{failure(exc, running)}"
+            )
+        if not isinstance(logits, torch.Tensor):
+            return None, (
+                f"its forward gives {described(logits)}, not a tensor of logits: return the logits (a "
+                "ModelOutput's .logits)"
+            )
+        try:
+            loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
+        except Exception as exc:
+            return None, (
+                f"its logits {tuple(logits.shape)} for targets {tuple(y.shape)} fail in the loss "
+                f"(cross-entropy): {type(exc).__name__}: {first_line(exc)}"
+            )
+    if not torch.isfinite(loss):
+        return None, f"the loss of a first batch is {loss.item()}"
+    return logits, None
+
+
 def own_code_problem(cfg: RunConfig, cuts_model: bool) -> str | None:
     """A model or dataset of your own (MODULE:FUNCTION), tried before any rank starts: each imports, the
     dataset holds (input, target) pairs, the model is an nn.Module whose forward takes a few of the
-    dataset's inputs and gives logits the loss takes with their targets. With --activation-checkpointing
-    (in an impl that does not cut the model itself) the model is an nn.Sequential: what recomputes block
-    by block. Models that are cut (model_parallel, pipeline) are checked further by the impl
-    (`cut_problem`)."""
+    dataset's inputs and gives logits the loss takes with their targets, computed as the run computes
+    (its --precision: parameters and inputs in its dtype, under its autocast). With
+    --activation-checkpointing (in an impl that does not cut the model itself) the model is an
+    nn.Sequential: what recomputes block by block. Models that are cut (model_parallel, pipeline) are
+    checked further by the impl (`cut_problem`)."""
     try:
         x, y, info = sample_batch(cfg)
     except (DataError, FactoryError) as exc:
         return str(exc)
+    x = run_inputs(x, cfg.precision)
     on = f"--model {cfg.model} on --dataset {cfg.dataset}"
-    # On the meta device first: shapes and dtypes, no parameter initialised and nothing computed (a GPT-2
-    # small took ~20 s per rank on a CPU). A model that needs values to be built or run (.item(), a
-    # copy to the CPU, data-dependent shapes) fails there: then it is built and run for real, where its
-    # errors are what is said, and the loss must be finite.
-    try:
-        model = on_meta(lambda: build_model(cfg.model, info, cfg.gpt_layers))
-        with torch.no_grad():
-            logits = model.eval()(x.to("meta"))
-            loss_sum(logits, y.to("meta"))  # (as training takes it)
-    except Exception:  # (your code on meta tensors: tried for real below, where its error counts)
+    on += f" with --precision {cfg.precision}" if cfg.precision != "fp32" else ""
+    # In fp32, on the meta device first: shapes and dtypes, no parameter initialised and nothing computed
+    # (a GPT-2 small took ~20 s per rank on a CPU). A model that needs values to be built or run (.item(),
+    # a copy to the CPU, data-dependent shapes) fails there: then it is built and run for real, where its
+    # errors are what is said, and the loss must be finite. In other precisions a model of yours is tried
+    # for real (this project's run in each): meta tensors are not autocast, and meta kernels let dtypes
+    # through that CPU kernels refuse (index_add_ of float64 rows into a buffer made in float32 passed,
+    # and the run died in its first step).
+    model = None
+    if cfg.precision == "fp32" or not is_factory(cfg.model):
         try:
-            model = build_model(cfg.model, info, cfg.gpt_layers)
+            model = on_meta(lambda: build_model(cfg.model, info, cfg.gpt_layers))
+            with torch.no_grad():
+                logits = model.eval()(x.to("meta"))
+                loss_sum(logits, y.to("meta"))  # (as training takes it)
+        except Exception:  # (your code on meta tensors: tried for real below, where its error counts)
+            model = None
+    if model is None:
+        try:
+            model = build_model(cfg.model, info, cfg.gpt_layers, parameter_dtype(cfg.precision))
         except (FactoryError, ValueError) as exc:
             return str(exc)
-        try:
-            with torch.no_grad():
-                logits = model.eval()(x)
-                loss = loss_sum(logits, y)  # (as training takes it: a batch scoring no target sums to 0)
-        except Exception as exc:  # (your code, or a shape that does not fit: said in one line)
-            return (
-                f"{on}: a batch of inputs {tuple(x.shape)} {x.dtype} with targets {tuple(y.shape)} fails in "
-                f"the forward or the loss (cross-entropy of the logits): {type(exc).__name__}: {first_line(exc)}"
-            )
-        if not torch.isfinite(loss):
-            return f"{on}: the loss of a first batch is {loss.item()}"
+        logits, problem = first_batch_problem(model, x, y, cfg.precision)
+        if problem:
+            return f"{on}: {problem}"
     if logits.shape[-1] < info.num_classes:  # (the first batch may not hold the largest target)
         return (
             f"{on}: the targets go up to {info.num_classes - 1}, but the model gives {logits.shape[-1]} "
@@ -160,11 +266,13 @@ def batch_norm_in_16_bits_problem(cfg: RunConfig, who: str) -> str | None:
 
 
 @torch.no_grad()
-def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None:
-    """Why `model` is not an ordered sequence of blocks (its children, applied in order, giving its
-    forward), or None: what model parallelism and pipelines cut between ranks (each part runs its blocks
-    in order; whatever else the model's forward does would be lost without a word). Checked on a sample
-    batch, in eval mode (no BatchNorm statistics change, no dropout)."""
+def block_sequence_problem(model: nn.Module, sample: torch.Tensor, precision: str = "fp32") -> str | None:
+    """Why `model` is not an ordered sequence of blocks (its children, applied in order, each giving the
+    next a tensor, giving its forward), or None: what model parallelism and pipelines cut between ranks
+    (each part runs its blocks in order and sends a tensor on; whatever else the model's forward does
+    would be lost without a word). Checked on a sample batch, in eval mode (no BatchNorm statistics
+    change, no dropout), as a run in `precision` computes (the parameters in its dtype already, `sample`
+    the run's inputs: run_inputs)."""
     blocks = list(model.named_children())
     if not blocks:
         return f"a {type(model).__name__} with no child modules: nothing to cut into blocks"
@@ -173,12 +281,25 @@ def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None
     was_training = model.training
     model.eval()
     try:
-        whole = model(sample)
-        x = sample
-        for _, block in blocks:
-            x = block(x)
-    except Exception as exc:
-        return f"applying its blocks in order fails ({type(exc).__name__}: {exc})"
+        with as_the_run_computes(precision), modules_running(model) as running:
+            try:
+                whole = model(sample)
+            except Exception as exc:  # (validate tried it already: said here too, in one line)
+                return f"its forward fails{failure(exc, running)}"
+            x = sample
+            for name, block in blocks:
+                try:
+                    x = block(x)
+                except Exception as exc:
+                    return f"applying its blocks in order fails{failure(exc, running)}"
+                # (a ModelOutput, a dict, a tuple: what a rank cannot send the next)
+                if not isinstance(x, torch.Tensor):
+                    return (
+                        f"its block {name} ({type(block).__name__}) gives {described(x)}, not a tensor: "
+                        "each block's output is the next block's input, sent between ranks where the "
+                        "model is cut; make each block return a tensor (e.g. wrap it in a module that "
+                        "returns the output's hidden states)"
+                    )
     finally:
         model.train(was_training)
     if (
@@ -197,18 +318,19 @@ def block_sequence_problem(model: nn.Module, sample: torch.Tensor) -> str | None
 def cut_problem(cfg: RunConfig, text: str | None, parts: int) -> str | None:
     """Why the run's model cannot be cut into `parts` parts (`text`: --partition), or None; checked before
     any rank starts. A model of your own (MODULE:FUNCTION) is built and tried on a sample batch of the
-    run's data: it must be an ordered sequence of blocks (`block_sequence_problem`), and the cut
-    (distref.distributed.partition) must give every part parameters."""
+    run's data, in the run's precision: it must be an ordered sequence of blocks
+    (`block_sequence_problem`), and the cut (distref.distributed.partition) must give every part
+    parameters."""
     if not is_factory(cfg.model):
         return choose_cut_points(named_block_sizes(cfg.model, cfg.gpt_layers), text, parts, cfg.model)[1]
     try:
         x, _, info = sample_batch(cfg)
-        model = build_model(cfg.model, info)
+        model = build_model(cfg.model, info, dtype=parameter_dtype(cfg.precision))  # (as the run builds it)
     except (DataError, FactoryError) as exc:
         return str(exc)
     if tied := tied_across_blocks(model):  # (each part would train a copy of its own)
         return f"--model {cfg.model} cannot be cut between ranks: {tied}; keep tied parameters in one block"
-    if problem := block_sequence_problem(model, x):
+    if problem := block_sequence_problem(model, run_inputs(x, cfg.precision), cfg.precision):
         return f"--model {cfg.model} cannot be cut between ranks: {problem}"
     return choose_cut_points(block_sizes(model), text, parts, cfg.model)[1]
 

@@ -161,6 +161,10 @@ def test_profile_and_tensorboard_write_their_files(single_train, tmp_path):
     single_train.main([*SYNTH, "--steps", "8", "--profile", "--tensorboard", "--out", str(tmp_path)])
     traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
     assert traces and traces[0].stat().st_size > 1000
+    # Where the time went, by operator, in one table: the profiled steps' matmuls and their backward
+    table = (tmp_path / "profile" / "time-by-operator.rank0.txt").read_text()
+    assert "Self CPU" in table and "aten::addmm" in table and "ProfilerStep*" in table, table[:2000]
+    assert "PythonDispatchMode" not in table  # the step whose communication is counted is not profiled
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 

@@ -163,8 +163,13 @@ def parameters_held(
 
 def fsdp_units(held: Sequence[tuple[str, Shape]], layers: int) -> list[list[Shape]]:
     """The fully_shard units of apply_fsdp (embed, block0..., head), each its parameters' slices."""
-    prefixes = ["embed.", *(f"block{i}." for i in range(layers)), "head."]
-    return [[shape for name, shape in held if name.startswith(prefix)] for prefix in prefixes]
+    units: dict[str, list[Shape]] = {
+        unit: [] for unit in ("embed", *(f"block{i}" for i in range(layers)), "head")
+    }
+    for name, shape in held:  # (by the name's first part: one pass, not one per unit)
+        if (unit := name.split(".", 1)[0]) in units:
+            units[unit].append(shape)
+    return list(units.values())
 
 
 def tensor_parallel(

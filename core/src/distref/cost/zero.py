@@ -430,7 +430,6 @@ def zero_rank_cost(
     step_bytes: int,
     unknown: str | None = None,
     activations: tuple[int | None, str | None] = (None, "not predicted here"),
-    session_steps: int = 3,
 ) -> Predicted:
     """What a rank of impls/deepspeed_zero costs by formula (DeepSpeed 0.19's buckets, padding and
     prefetch; fp32, or bf16 at stages 1-3 (`zero_bf16_communication`, `zero_bf16_model_states`), without
@@ -441,8 +440,8 @@ def zero_rank_cost(
     reduce_bucket_size, `prefetch_elements` its stage3_prefetch_bucket_size); this rank's partitions, frozen
     parameters left out of them at stages 0-2 (`zero_model_states`); `activations` as (bytes, or None and
     why). `unknown`: why it is not known which parameters train (no communication or model-state formula
-    then). `session_steps`: how many steps this session runs (the counted step is the third, or the
-    last of a shorter session)."""
+    then). The formula is a steady step's: a session's third, the one counted (distref.training.traffic;
+    in its second ZeRO-3 checks the fetch trace it recorded against every rank's: 6 broadcasts)."""
     if precision not in ("fp32", "bf16"):
         no_formula_here = f"no formula for DeepSpeed in {precision} (not measured: its loss scaler)"
     elif precision == "bf16" and stage == 0:
@@ -474,16 +473,6 @@ def zero_rank_cost(
         model_states = held_states(
             numels, world_size, rank, stage, optimizer, step_bytes=step_bytes, uses=uses
         )
-    unsteady = None
-    # The counted step is the session's third, or its last (distref.training.traffic); in its second step
-    # ZeRO-3 checks the fetch trace it recorded against every rank's: 6 broadcasts
-    if stage == 3 and session_steps < 3:
-        unsteady = (
-            f"ZeRO-3 in a session of {session_steps} step(s): DeepSpeed records its fetch trace in the first "
-            "step and checks it across ranks in the second (broadcasts not modelled); the formula is the "
-            "third's: run 3 steps or more"
-        )
-        communication = None
     held, why_not = activations
     return Predicted(
         communication=communication,
@@ -491,7 +480,6 @@ def zero_rank_cost(
         activations=held,
         unavailable={
             "communication": no_formula_here
-            or unsteady
             or communication_unavailable(numels, world_size, stage, prefetch_elements),
             "model_states": no_formula_here,
             "activations": why_not,

@@ -5,6 +5,8 @@ launcher (torch.distributed.run), as torchrun would; each rank reads its place f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +15,8 @@ from typing import NoReturn
 from distref.config import RunConfig
 
 SHUTDOWN_TIMEOUT_S = 5
+# The logger of torchrun's rank supervision: the lines it prints when a rank fails and the others are stopped.
+TORCH_SUPERVISION_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, impl: str) -> NoReturn:
@@ -21,7 +25,8 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
     `torchrun --standalone --nproc-per-node 2 train.py ...`. The caller has validated the arguments, so
     bad input never starts a rank. Exit code 0, or 1 with one line naming the first rank that failed
     (each rank's own error is printed above it); 2 where that rank exited 2, refusing something only the
-    ranks read (a checkpoint of another run, a stage file not written for its index)."""
+    ranks read (a checkpoint of another run, a stage file not written for its index): then only the rank's
+    own line is shown, not torchrun's report of the failure."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -56,19 +61,57 @@ def launch_ranks(train_file: str, argv: Sequence[str] | None, cfg: RunConfig, im
     print(f"{impl}: starting {nproc} ranks: torchrun {' '.join(torchrun_argv)} {train_file} ...", flush=True)
     # The ranks' records count start-up from this process's start, not their own (distref.record.run_start);
     # torch.distributed.run passes its environment on to them. Put back after: the caller may go on (tests).
-    previous = {"DISTREF_LAUNCHED_AT": os.environ.get("DISTREF_LAUNCHED_AT")}
+    previous = {name: os.environ.get(name) for name in ("DISTREF_LAUNCHED_AT", "OMP_NUM_THREADS")}
     os.environ["DISTREF_LAUNCHED_AT"] = str(process_started_at())
+    # One thread per rank, what torchrun sets anyway (distref.training.device.configure_cpu_threads), said
+    # here so that torchrun does not print its banner about it; a value of yours stands.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torchrun's own lines on a failed rank ("failed (exitcode: 2)", "Sending process … SIGTERM") are held
+    # back: shown after a failure, but not under a rank's one-line refusal (exit code 2).
+    held = HeldBackLogs(hold=not restarts)
     try:
-        run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
+        with held:
+            run(get_args_parser().parse_args([*torchrun_argv, train_file, *rank_argv]))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode == 2:  # what the ranks refused (a checkpoint, data): rank 0's line says it all
+            sys.exit(2)
+        held.replay()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         sys.stderr.write(f"{impl}: rank {rank} failed ({how}); its error is above\n")
-        sys.exit(2 if failure.exitcode == 2 else 1)  # 2: what the ranks refused (a checkpoint, data)
+        sys.exit(1)
     finally:
         for name, value in previous.items():
             restore_environment(name, value)
     sys.exit(0)
+
+
+class HeldBackLogs(contextlib.AbstractContextManager):
+    """Inside, the warnings and errors of torchrun's process supervision (TORCH_SUPERVISION_LOGGER: how it
+    stops and reports failed ranks) are kept, not printed; `replay()` prints them. (With --max-restarts
+    they are not held: each restart's reason matters when it happens.)"""
+
+    def __init__(self, hold: bool = True) -> None:
+        self.hold = hold
+        self.held: list[logging.LogRecord] = []
+        self.logger = logging.getLogger(TORCH_SUPERVISION_LOGGER)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.hold:
+            self.held.append(record)
+        return not self.hold
+
+    def __enter__(self) -> HeldBackLogs:
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeFilter(self)
+
+    def replay(self) -> None:
+        for record in self.held:
+            self.logger.handle(record)
+        self.held = []
 
 
 def only_known(torchrun_parser: argparse.ArgumentParser, *options: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -54,10 +55,17 @@ def parse_cut_points(text: str, n_blocks: int, parts: int) -> tuple[list[int] | 
     return cuts, None
 
 
-def balanced_cut_points(sizes: list[int], parts: int) -> list[int] | None:
+def balanced_cut_points(sizes: Sequence[int], parts: int) -> list[int] | None:
     """The cut points that minimise the largest part's parameter count, among those that give every part
     parameters (None if there are none); of several such, the earliest cuts. Dynamic programming over
-    (first block, parts left): fast for models of hundreds of blocks."""
+    (first block, parts left): fast for models of hundreds of blocks, and kept for the next call with the
+    same blocks (the planner asks for each mesh of each cluster it tries)."""
+    cuts = _balanced_cut_points(tuple(sizes), parts)
+    return None if cuts is None else list(cuts)
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_cut_points(sizes: tuple[int, ...], parts: int) -> tuple[int, ...] | None:
     n = len(sizes)
     prefix = [0, *itertools.accumulate(sizes)]
 
@@ -86,7 +94,7 @@ def balanced_cut_points(sizes: list[int], parts: int) -> list[int] | None:
             if 0 < prefix[end] - prefix[first] <= limit and smallest_largest(end, k - 1) <= limit
         )
         cuts.append(first)
-    return cuts
+    return tuple(cuts)
 
 
 def part_bounds(cuts: list[int], n_blocks: int) -> list[tuple[int, int]]:

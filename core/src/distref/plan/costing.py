@@ -617,13 +617,32 @@ def schedule_orders(schedule: str, p: int, m: int, v: int = 2) -> dict[int, list
     from torch.distributed.pipelining import PipelineStage
 
     module = pipeline_impl()
-    with order_world(p):
+    with order_world(p), compute_order_only():
         stages = [
             PipelineStage(torch.nn.Linear(1, 1), index, v * p, torch.device("cpu"))
             for index in module.stage_indices(schedule, 0, p, v)
         ]
         built = module.SCHEDULES[schedule](stages, m, loss_fn=lambda out, target: out.sum())
         return {rank: work_order(built, rank, schedule, m, v * p, rank) for rank in range(p)}
+
+
+@contextlib.contextmanager
+def compute_order_only() -> Iterator[None]:
+    """Inside, torch's multi-stage schedules are built without lowering their order to one with its sends
+    and receives (`_prepare_schedule_with_comms`, kept apart as `pipeline_order_with_comms`), which the
+    plan does not read: it reads `pipeline_order`. The lowering grows with the square of the micro-batches
+    and was nine tenths of a plan's time (30 s for 70B where nothing fits and larger clusters are tried)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    lowering = _PipelineScheduleRuntime.__dict__.get("_prepare_schedule_with_comms")
+    if lowering is None:  # (another torch: built as it builds them)
+        yield
+        return
+    _PipelineScheduleRuntime._prepare_schedule_with_comms = lambda self, actions, format="compute_only": None
+    try:
+        yield
+    finally:
+        _PipelineScheduleRuntime._prepare_schedule_with_comms = lowering
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from distref.plan.cluster import DEFAULT_MFU, GPU, GPUS, Cluster, Training
 from distref.plan.costing import cost, peak, step_flops
 from distref.plan.layouts import CONTEXT_PARALLEL, Layout
 from distref.plan.model import Model, PlanError, custom_model, project_model
+from distref.record import not_counted
 
 IMPL_LAYOUT = {  # impl → the layout it runs, from its record (world size, its options)
     "single": lambda world, o: Layout("ddp", dp=1),
@@ -153,13 +154,21 @@ def validate(run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
 def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     """[measured, planned] model states, activations and communication (bus bytes) of the run's rank 0 (a
     pipeline's: the plan's fullest rank), and its step time; on CPU, the plan's FLOPs over the measured
-    time say what utilisation of the peak the run reached. {"skipped": why} where the plan has none."""
+    time say what utilisation of the peak the run reached. {"skipped": why} where the plan has none, or the
+    session measured nothing (resumed with no steps left); communication not compared where no steady step
+    was counted ("not_counted": why; distref.record.not_counted)."""
     impl, config, world = record["impl"]["name"], record["config"], record["world_size"]
     if impl not in IMPL_LAYOUT:
         why = "nn.DataParallel: one process" if impl == "dataparallel" else "not one of this project's impls"
         return {"impl": impl, "skipped": f"no layout for impl {impl!r} ({why})"}
     if record.get("status") != "completed":
         return {"impl": impl, "skipped": f"the run did not complete (status {record.get('status')!r})"}
+    resumes = record.get("resumes") or []
+    if resumes and not any(row["step"] >= resumes[-1]["step"] for row in record["steps"]):
+        return {
+            "impl": impl,
+            "skipped": f"resumed at step {resumes[-1]['step']} with no steps left: this session measured nothing",
+        }
     for name in ("model_state_bytes", "activation_bytes", "communication"):
         per_rank = record.get(name)
         per_rank = per_rank.get("measured") if isinstance(per_rank, dict) else per_rank
@@ -237,6 +246,8 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
     states = (record.get("model_state_bytes") or {rank: None})[rank]
     communication = ((record.get("communication") or {}).get("measured") or {rank: None})[rank]
     activations = ((record.get("activation_bytes") or {}).get("measured") or {rank: None})[rank]
+    if uncounted := not_counted(record):  # (a first or second step's communication is not the plan's)
+        communication = None
     step_s = config["global_batch_size"] / record["samples_per_s"] if record.get("samples_per_s") else None
     flops = step_flops(model, training, world)
     defaults = dict(PLANNED_AS.get(impl, {}))
@@ -271,6 +282,7 @@ def validate_run(record: dict[str, Any]) -> dict[str, Any]:
         ],
         "step_s": [step_s, row.step_s["overlap"]],
         "implied_mfu": flops / (peak(gpu, training.precision) * step_s) if flops and step_s else None,
+        "not_counted": uncounted,
     }
 
 
@@ -312,10 +324,15 @@ def render_validation(results: list[dict[str, Any]]) -> str:
             lines.append(f"{r['run']} ({r['impl']}): skipped: {r['skipped']}")
             continue
         mfu = "—" if r["implied_mfu"] is None else f"{r['implied_mfu']:.1%}"
+        activations = f"activations {pair(r['activations'], size)}"
+        communication = f"communication {pair(r['communication_bus_bytes'], size)} bus bytes"
+        if uncounted := r.get("not_counted"):  # (said, not compared)
+            communication = f"communication not counted ({uncounted})"
+            if r["activations"][0] is None:
+                activations = "activations not counted"
         lines.append(
             f"{r['run']} ({r['impl']}, {r['layout']}, rank {r['rank']}): model states {pair(r['model_states'], size)}; "
-            f"activations {pair(r['activations'], size)}; communication {pair(r['communication_bus_bytes'], size)} "
-            f"bus bytes; step {pair(r['step_s'], secs)}, implied MFU {mfu}"
+            f"{activations}; {communication}; step {pair(r['step_s'], secs)}, implied MFU {mfu}"
             + (
                 f" (planned with {', '.join(r['planned_as'])}; the run had {', '.join(r['not_planned'])})"
                 if r["not_planned"]

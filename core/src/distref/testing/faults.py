@@ -18,8 +18,7 @@ import torch
 
 from distref.parity_metric import max_relative_difference
 from distref.testing.runs import ROOT, load_train_module, torchrun, train_path
-
-CURRENT_TEST: list = []  # the running test (conftest sets it): measured() attaches times to it
+from distref.testing.timing import CURRENT_TEST
 
 
 def measured(what: str, seconds: float) -> None:

@@ -25,9 +25,12 @@ from collections.abc import Mapping, Sequence
 import torch.distributed as dist
 import torch.multiprocessing
 
+from distref.testing.timing import note_started_processes
+
 # Imported once by the fork server, so that no rank imports them again.
 PRELOADED = [
     "torch",
+    "torch._dynamo",  # (a second of it: torch.optim's first param group imports it, compiled or not)
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
@@ -35,13 +38,17 @@ PRELOADED = [
     "torch.distributed.pipelining",
     "torch.distributed.checkpoint",
     "torch.distributed.algorithms.ddp_comm_hooks",
-    f"{__package__}.checkpoint",
-    f"{__package__}.config",
-    f"{__package__}.data",
-    f"{__package__}.dist",
-    f"{__package__}.models",
-    f"{__package__}.record",
-    f"{__package__}.training",
+    # distref's own modules (a name that does not import is skipped without a word by the fork server:
+    # these once named distref.testing.* modules that do not exist, and every rank imported distref anew)
+    "distref.cli",
+    "distref.config",
+    "distref.cost",
+    "distref.data",
+    "distref.distributed",
+    "distref.models",
+    "distref.record",
+    "distref.training",
+    "distref.training.checkpoint",
 ]
 
 
@@ -95,6 +102,7 @@ def run_ranks(
     --nproc-per-node nproc` would, and return what a subprocess.run of torchrun returns: exit code 0 when
     every rank succeeded, else 1 (the other ranks are stopped), and the ranks' stdout and stderr.
     Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds."""
+    note_started_processes()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)  # takes effect when this process starts its fork server
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from distref.testing.ranks import run_ranks
+from distref.testing.timing import note_started_processes
 
 # The repository (or exported project) root: the folder of the conftest.py above this package; where the
 # package was installed elsewhere (an exported project's `pip install .`), the folder pytest runs in.
@@ -38,6 +39,7 @@ def load_train_module(impl: str):
 
 def run_script(args: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = ROOT):
     """Run a command with one thread per process (as every rank would) and return the CompletedProcess."""
+    note_started_processes()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
 

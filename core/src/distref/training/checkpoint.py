@@ -91,11 +91,28 @@ def checkpoint_problem(path: str | Path) -> str | None:
     return None
 
 
+def holds_a_run(state: Any) -> bool:
+    """Whether a loaded file is a checkpoint (a run's step and options), not a --save-final state_dict."""
+    return isinstance(state, dict) and {"step", "config"} <= set(state)
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why the readable file `path`, named as a checkpoint, is not one (a --save-final state_dict copied
+    in: parameters only), or None. Read with mmap: the tensors' bytes stay on disk."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # (torch's errors can run to a page)
+        return f"{path} cannot be loaded ({str(exc).strip().splitlines()[0]})"
+    if not holds_a_run(state):
+        return f"{path} is not a checkpoint (parameters only, as --save-final writes)"
+    return None
+
+
 def resume_path(cfg: RunConfig) -> Path | None:
     """The checkpoint to resume from: --resume PATH (checked readable by the config), or for `auto` the
     newest readable one in --checkpoint-dir (None if there is none yet: the run starts). An unreadable
-    newer one (a disk error, a copy cut short) is skipped and rank 0 says so; if none is readable, the run
-    stops in one line rather than silently starting over."""
+    newer one (a disk error, a copy cut short) or one that is no checkpoint is skipped and rank 0 says so;
+    if none is readable, the run stops in one line rather than silently starting over."""
     if cfg.resume is None:
         return None
     if cfg.resume != "auto":
@@ -103,7 +120,7 @@ def resume_path(cfg: RunConfig) -> Path | None:
     say = is_first_rank()
     problems = []
     for path in reversed(checkpoints(cfg.checkpoint_dir)):
-        if (problem := checkpoint_problem(path)) is None:
+        if (problem := checkpoint_problem(path) or not_a_checkpoint(path)) is None:
             if problems and say:
                 print(f"--resume auto: {'; '.join(problems)}: falling back to {path}", flush=True)
             return path
@@ -126,6 +143,7 @@ def options(config: dict[str, Any]) -> dict[str, Any]:
 
 
 COMMON_KEYS = ("step", "total_steps", "rng", "record", "config")  # in every checkpoint (checkpoint_state)
+NOT_RECORDED = "not recorded"  # the impl of a checkpoint written before core 0.20.0
 # Checkpoint formats an impl no longer reads: a key only that format's index holds, and what to do.
 RETIRED_FORMATS = {
     "stage_sha256": "pipeline before 0.10.0 wrote a file per stage rank; it now writes a "
@@ -146,7 +164,7 @@ def load_checkpoint(
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # the first line: torch's errors can run to a page
         raise CheckpointError(f"cannot load checkpoint {path}: {str(exc).strip().splitlines()[0]}") from exc
-    if not isinstance(state, dict) or not {"step", "config"} <= set(state):
+    if not holds_a_run(state):
         raise CheckpointError(
             f"{path} is not a checkpoint (a --save-final file holds parameters only): resume from "
             "--checkpoint-dir's step-N.pt"
@@ -154,9 +172,10 @@ def load_checkpoint(
     if retired := [why for key, why in RETIRED_FORMATS.items() if key in state]:
         raise CheckpointError(f"checkpoint {path} is in a format this version no longer reads: {retired[0]}")
     if missing := [key for key in holds if key not in state]:
-        own = sorted(set(state) - set(COMMON_KEYS)) or ["nothing else"]
+        own = sorted(set(state) - set(COMMON_KEYS) - {"impl"}) or ["nothing else"]
+        whose = f"{state['impl']['name']}'s" if "impl" in state else "another impl's"
         raise CheckpointError(
-            f"checkpoint {path} is another impl's (it holds {', '.join(own)}, not {', '.join(missing)}): "
+            f"checkpoint {path} is {whose} (it holds {', '.join(own)}, not {', '.join(missing)}): "
             "resume it with the impl that wrote it"
         )
     # Options a checkpoint predates (e.g. gpt_layers, added in core 0.3.0) had their default value then.
@@ -383,8 +402,9 @@ def unwrap_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_state(cfg: RunConfig, done: int, n_steps: int, record: Any, **states: Any) -> dict[str, Any]:
     """A checkpoint: the impl's `states` (model, optimizer, ...), then what every checkpoint holds: the
-    steps done and planned, this process's RNG, the record so far and the options (a resume checks them).
-    The first checkpoint's communication is counted from here to the next step (sharded saves gather)."""
+    steps done and planned, this process's RNG, the record so far, the options (a resume checks them) and
+    the impl that wrote it (a resume by another records it). The first checkpoint's communication is
+    counted from here to the next step (sharded saves gather)."""
     TRAFFIC.start("checkpoint")
     return {
         **states,
@@ -393,6 +413,7 @@ def checkpoint_state(cfg: RunConfig, done: int, n_steps: int, record: Any, **sta
         "rng": torch.get_rng_state(),
         "record": record.state(),
         "config": cfg.to_dict(),
+        "impl": dict(record.data["impl"]),  # {"name", "version"}
     }
 
 
@@ -408,7 +429,18 @@ def resume_step(state: dict[str, Any], path: Path, record: Any, impl: str, say: 
     record's history, one line where `say`); the step to continue from. The data order and the lr follow
     from the step alone."""
     torch.set_rng_state(state["rng"])
+    # Another impl (or version) may continue a checkpoint whose state it reads as its own (load_checkpoint's
+    # `holds`; DCP's model and optimizer keys are the core model's in fsdp, context_parallel, ...): the
+    # record says which wrote the steps before.
+    written_by, now = impl_named(state.get("impl")), impl_named(record.data["impl"])
+    if written_by != now:
+        state["changes"]["impl"] = [written_by, now]
     record.load_state(state, path)  # the history so far, and what this session changes
     if say:
         print(f"{impl}: {describe_resume(path, state)}")
     return state["step"]
+
+
+def impl_named(impl: dict[str, str] | None) -> str:
+    """ "fsdp 0.11.0" of a record's or checkpoint's {"name", "version"}."""
+    return f"{impl['name']} {impl['version']}" if impl else NOT_RECORDED

@@ -8,9 +8,12 @@ import os
 import torch
 from torch import nn
 
-# Inductor by default. The tests set "aot_eager" to check that a strategy composes with compiled blocks
-# in seconds (dynamo's graphs and AOTAutograd's backward, without inductor's code generation).
-BACKEND = os.environ.get("DISTREF_COMPILE_BACKEND", "inductor")
+
+def compile_backend() -> str:
+    """Inductor by default. The tests set "aot_eager" to check that a strategy composes with compiled
+    blocks in seconds (dynamo's graphs and AOTAutograd's backward, without inductor's code generation).
+    Read when a run compiles, not at import: the tests' ranks fork from a process that imported it."""
+    return os.environ.get("DISTREF_COMPILE_BACKEND", "inductor")
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:
@@ -23,7 +26,10 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     parameters `_orig_mod.…`) nor its call (`block.compile()`: dynamo skips torch.nn's own code there, so
     an nn.Sequential or nn.Linear block compiles nothing): the parameters keep their names, checkpoints
     and `--save-final` load into an eager model, and the hooks a strategy puts on a block run outside."""
+    for module in model.modules():  # what must run eagerly inside a compiled block (distref.models.MoE)
+        if getattr(module, "runs_eagerly", False):
+            module.forward = torch.compiler.disable(module.forward)
     blocks = list(model.children()) or [model]
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=BACKEND)
+        block.forward = torch.compile(block.forward, backend=compile_backend())
     return model

@@ -12,8 +12,9 @@ for broadcast, reduce, send and recv (n: the group's size).
 
 Counting is a TorchDispatchMode (torch.utils._python_dispatch), so every operation in the counted stretch
 passes through Python: a step counted runs slower. `Traffic` counts one steady-state step (the third
-of a session: the first two build the optimizer's state, pipelining's shapes, DDP's buckets) and, apart, set-up, the first loss
-logging, the first evaluation and the first checkpoint — a fixed cost of a few steps' time per run.
+of a session: the first two build the optimizer's state, pipelining's shapes, DDP's buckets; a session of
+fewer steps counts none, and says why) and, apart, set-up, the first loss logging, the first evaluation and
+the first checkpoint — a fixed cost of a few steps' time per run.
 torch's own CommDebugMode (torch.distributed.tensor.debug) counts calls of collectives but not their
 bytes, nor send/recv.
 """
@@ -21,6 +22,7 @@ bytes, nor send/recv.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distref.cost.counts import add
+from distref.record import COUNTED_SESSION_STEP
 from distref.training.measure import SavedActivations
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "all_to_all")
@@ -119,9 +122,12 @@ def run_eagerly() -> contextlib.AbstractContextManager:
     """Compiled code (--compile) run as eager code inside: dynamo does not trace under a dispatch mode,
     and a compiled block it met under one (the counted step, set-up's counting) it would run eagerly for
     good after (torch 2.13). `force_eager` keeps dynamo out of those frames (torch 2.6+; before it, a
-    no-op)."""
+    no-op). Where dynamo was never imported nothing is compiled: nothing to do, and no second of
+    start-up spent importing it."""
     set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+    if set_stance is None or "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
 
 
 class CountCommunication(TorchDispatchMode):
@@ -148,9 +154,9 @@ class CountCommunication(TorchDispatchMode):
 
 class Traffic:
     """What this process communicates during a run, by phase: "setup" (from the process group to the
-    first step), "step" (one steady-state optimizer step: the session's third, or its last), and the
-    first "log", "eval" and "checkpoint". A phase is counted until another begins or counting stops;
-    `counted_step` is the step counted."""
+    first step), "step" (one steady-state optimizer step: the session's third), and the first "log",
+    "eval" and "checkpoint". A phase is counted until another begins or counting stops; `counted_step` is
+    the step counted, `not_counted` why none was (a session of fewer than 3 steps)."""
 
     def __init__(self) -> None:
         self.begin_run(count_setup=False)
@@ -162,6 +168,7 @@ class Traffic:
             self.stop_counting()
         self.phases: dict[str, dict[str, dict]] = {}
         self.counted_step: int | None = None
+        self.not_counted: str | None = None
         self._step_to_count: int | None = None
         self._mode: CountCommunication | None = None
         self._eager: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -206,15 +213,22 @@ class Traffic:
             self.stop_counting()
 
     def session_starts(self, start_step: int, n_steps: int) -> None:
-        """Set-up ends and the loop begins at `start_step`: the step to count is the session's third (its
-        first builds the optimizer's state and pipelining's shapes, its second DDP's rebuilt buckets, whose
-        layout rank 0 broadcasts), or its last if it has fewer."""
+        """Set-up ends and the loop runs steps `start_step` to `n_steps` - 1: the step to count is the
+        session's third (COUNTED_SESSION_STEP); a session of fewer steps counts none, and `not_counted` says
+        why (an earlier step's communication differs from the formulas': no step is better than a wrong one)."""
         if not self._in_run:  # a run without a process group (single, dataparallel)
             self.begin_run(count_setup=False)
         self.stop_counting()
         self._in_run = False  # (the next run in this process starts afresh)
         self._in_loop = True
-        self._step_to_count = min(start_step + 2, n_steps - 1)
+        counted, steps = start_step + COUNTED_SESSION_STEP, max(n_steps - start_step, 0)
+        self._step_to_count = counted if counted < n_steps else None
+        plural = "" if steps == 1 else "s"
+        self.not_counted = (
+            f"a session of {steps} step{plural}: its third is counted, the first steady one"
+            if self._step_to_count is None
+            else None
+        )
 
     def session_ends(self) -> None:
         """The loop is over (or failed): nothing more is counted."""
@@ -242,9 +256,15 @@ class Traffic:
 
     def summary(self) -> dict[str, Any]:
         """This rank's counts: {"step": the step counted or None, "phases": {phase: {kind: counts}},
-        "activation_bytes": the most bytes of activations the counted step held for backward}."""
+        "activation_bytes": the most bytes of activations the counted step held for backward,
+        "not_counted": why no step was counted, or None}."""
         held = self.activations.peak if self.activations is not None else None
-        return {"step": self.counted_step, "phases": self.phases, "activation_bytes": held}
+        return {
+            "step": self.counted_step,
+            "phases": self.phases,
+            "activation_bytes": held,
+            "not_counted": self.not_counted,
+        }
 
 
 TRAFFIC = Traffic()  # this process's: the process group, the loop and checkpoints count into it
