@@ -55,23 +55,31 @@ WRITES_TO_D = ["--checkpoint-dir", "{d}", "--checkpoint-every", "2"]
         ),
         (
             [*WRITES_TO_D, "--resume", "{d}/step-00000002.pt"],
-            "would write over --checkpoint-dir {d}'s step-00000004.pt",
+            "would write over --checkpoint-dir {d}'s step-00000004",
         ),
         (
             [*WRITES_TO_D, "--resume", "{other}/step-00000002.pt"],
-            "would write over --checkpoint-dir {d}'s step-00000002.pt",
+            "--checkpoint-dir {d} holds checkpoints of another",
         ),
-        # --save-final over a checkpoint (parameters only: --resume auto would fail on it), resumed or not
-        (["--save-final", "{d}/step-00000004.pt"], "--save-final {d}/step-00000004.pt is a checkpoint"),
+        # --save-final where a checkpoint's files go (parameters only: --resume auto would take it for one,
+        # or it replaces one), there or not, resumed or not
         (
-            [*WRITES_TO_D, "--resume", "auto", "--save-final", "{d}/step-00000004.pt"],
-            "is a checkpoint already",
+            ["--save-final", "{d}/step-00000004.pt"],
+            "--save-final {d}/step-00000004.pt is where a checkpoint's",
         ),
+        (["--save-final", "{other}/step-00000009.pt"], "is where a checkpoint's files go"),
+        (["--save-final", "{d}/step-00000004/__0_0.distcp"], "is where a checkpoint's files go"),  # (DCP's)
+        ([*WRITES_TO_D, "--resume", "auto", "--save-final", "{d}/step-00000004.pt"], "where a checkpoint's"),
         (
             ["--resume", "{d}/step-00000002.pt", "--save-final", "{d}/step-00000002.pt"],
-            "is a checkpoint already",
+            "where a checkpoint's",
         ),
+        # an existing file: never in a new run; in a resumed one only an earlier --save-final (parameters only)
         (["--save-final", "{other}/final.pt"], "--save-final {other}/final.pt is a file already there"),
+        (
+            [*WRITES_TO_D, "--resume", "auto", "--save-final", "{other}/record.json"],
+            "that no earlier --save-final",
+        ),
     ],
 )
 def test_files_of_another_run_are_never_written_over(options, said, tmp_path, capsys):
@@ -82,6 +90,7 @@ def test_files_of_another_run_are_never_written_over(options, said, tmp_path, ca
         folder.mkdir()
         for name in ("step-00000002.pt", "step-00000004.pt", "final.pt"):
             torch.save({"kept": 1}, folder / name)  # (a zip: --resume reads that much before anything)
+        (folder / "record.json").write_text("{}")
     with pytest.raises(SystemExit) as exc:
         parse_config(["--dataset", "synthetic", *(o.format(d=d, other=other) for o in options)], "single")
     err = capsys.readouterr().err
@@ -91,15 +100,28 @@ def test_files_of_another_run_are_never_written_over(options, said, tmp_path, ca
 def test_what_a_run_may_continue_is_not_refused(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
-    torch.save({"kept": 1}, d / "step-00000004.pt")
+    torch.save({"step": 4, "config": {}}, d / "step-00000004.pt")
     base = ["--dataset", "synthetic", "--checkpoint-dir", str(d), "--checkpoint-every", "2"]
-    (tmp_path / "final.pt").write_bytes(b"an earlier session's")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "final.pt")  # an earlier session's --save-final
     for options in (
         ["--resume", "auto", "--save-final", str(tmp_path / "final.pt")],  # its own final, once more
         ["--resume", str(d / "step-00000004.pt")],  # the newest: nothing later to write over
         ["--checkpoint-every", "0"],  # writes no checkpoint
     ):
         assert parse_config([*base, *options], "single")
+
+
+def test_a_restarted_attempt_continues_its_own_files(tmp_path, monkeypatch):
+    """torchrun's --max-restarts: the restarted ranks parse the same options, and find the checkpoints and
+    record the first attempt wrote: theirs, not another run's (they were refused, and the job with them)."""
+    d = tmp_path / "d"
+    d.mkdir()
+    torch.save({"step": 4, "config": {}}, d / "step-00000004.pt")
+    (tmp_path / "record.json").write_text("{}")
+    argv = ["--dataset", "synthetic", "--checkpoint-dir", str(d), "--checkpoint-every", "2"]
+    argv += ["--out", str(tmp_path)]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert parse_config(argv, "single")
 
 
 def test_world_size_is_part_of_the_batch_check(capsys):

@@ -24,11 +24,16 @@ RUN = ["--model", "gpt", "--dataset", "synthetic", "--global-batch-size", "16", 
         (0, 5, 2, None),
         (4, 10, 6, None),
         (0, 3, 2, None),
-        (0, 2, None, "a session of 2 steps: its third is counted, the first steady one"),
-        (0, 1, None, "a session of 1 step: its third is counted, the first steady one"),
-        (8, 10, None, "a session of 2 steps: its third is counted, the first steady one"),
+        (0, 2, None, "a session of 2 steps: a session's third step is the one counted, its first steady one"),
+        (0, 1, None, "a session of 1 step: a session's third step is the one counted, its first steady one"),
+        (
+            8,
+            10,
+            None,
+            "a session of 2 steps: a session's third step is the one counted, its first steady one",
+        ),
         # (resumed at its last step: none left)
-        (4, 4, None, "a session of 0 steps: its third is counted, the first steady one"),
+        (4, 4, None, "a session of 0 steps: a session's third step is the one counted, its first steady one"),
     ],
 )
 def test_a_session_counts_its_third_step_or_none_saying_why(start, n_steps, counted, why):
@@ -56,7 +61,10 @@ def test_a_two_step_session_is_recorded_not_counted_and_not_compared(two_steps, 
     activations' said "exact" over nothing) and differ from no formula; plan --validate does not compare."""
     communication = two_steps["communication"]
     assert communication["step"] is None and communication["measured"] == [None]
-    assert communication["not_counted"] == "a session of 2 steps: its third is counted, the first steady one"
+    assert (
+        communication["not_counted"]
+        == "a session of 2 steps: a session's third step is the one counted, its first steady one"
+    )
     assert two_steps["activation_bytes"]["measured"] == [None]
     said = f"not counted ({communication['not_counted']})"
     assert communication_cells(two_steps) == ["not counted", "—", said]
@@ -103,5 +111,7 @@ def test_a_resume_with_no_steps_left_is_skipped_by_the_plan(single_train, two_st
         "impl": "single",
         "skipped": "resumed at step 2 with no steps left: this session measured nothing",
     }
-    why = "not counted (a session of 0 steps: its third is counted, the first steady one)"
+    why = (
+        "not counted (a session of 0 steps: a session's third step is the one counted, its first steady one)"
+    )
     assert memory_cells(record)[1:] == ["—", "—", why]

@@ -250,8 +250,9 @@ def test_checkpoint_from_another_run_is_refused(single_train, tmp_path, capsys):
 
 @pytest.mark.faults
 def test_a_checkpoint_of_another_impl_or_a_final_state_is_refused(single_train, tmp_path, capsys):
-    """A checkpoint another impl wrote (pipeline's, its stages by rank) or a --save-final file: refused in
-    one line saying what it is, exit code 2 (it was a KeyError traceback)."""
+    """A checkpoint another impl wrote (pipeline's, its stages by rank; model_parallel's, single's keys and
+    its cut: a TypeError in the optimizer's load) or a --save-final file: refused in one line saying what
+    it is, exit code 2 (it was a KeyError traceback)."""
     single_train.main([*FAST, "--steps", "4", "--save-final", str(tmp_path / "f.pt")])
     cfg = parse_config([*FAST, "--steps", "4"], "pipeline")
     record = RunRecord("pipeline", "0.10.0", cfg, 2, torch.device("cpu"), "gloo", write_files=False)
@@ -259,8 +260,15 @@ def test_a_checkpoint_of_another_impl_or_a_final_state_is_refused(single_train, 
     ckpt.save_checkpoint(
         pipeline_index, ckpt.checkpoint_state(cfg, 4, 4, record, stages_by_rank={}, scaler={})
     )
+    # model_parallel's holds single's keys and more (each rank's parts, the cut): another layout, not single's
+    cfg = parse_config([*FAST, "--steps", "4"], "model_parallel")
+    record = RunRecord("model_parallel", "0.10.2", cfg, 2, torch.device("cpu"), "gloo", write_files=False)
+    parts_index = tmp_path / "step-3.pt"
+    parts = dict(model={}, optimizer={}, scaler={}, cut_points=[2])
+    ckpt.save_checkpoint(parts_index, ckpt.checkpoint_state(cfg, 3, 4, record, **parts))
     for resume, said in (
         (pipeline_index, "is pipeline's (it holds scaler, stages_by_rank, not model, optimizer)"),
+        (parts_index, "is model_parallel's (it holds cut_points, which this impl does not read)"),
         (tmp_path / "f.pt", "is not a checkpoint (a --save-final file holds parameters only)"),
     ):
         with pytest.raises(SystemExit) as exc:

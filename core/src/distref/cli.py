@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,8 @@ from distref.config import (
 from distref.data.datasets import sequence_length_problem, train_set_size
 from distref.data.tensors import DataError
 from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
-from distref.training.checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_problem, checkpoints
+from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints, not_a_checkpoint
+from distref.training.monitor import PROFILED_UNTIL
 from distref.your_model import own_code_problem
 
 
@@ -389,8 +391,7 @@ def parse_config(
     )
     problem = (
         problem
-        or experts_problem(cfg, given=moe_given)
-        or validate(cfg, shards, cuts_model, processes=world_size or 1)
+        or validate(cfg, shards, cuts_model, processes=world_size or 1, moe_given=moe_given)
         or (check(cfg, world_size or 1) if check else None)
     )
     if not problem and distributed and not checking and not (one_process and one_process(cfg)):
@@ -486,16 +487,21 @@ def default_ranks(cfg: RunConfig) -> int:
 
 
 def validate(
-    cfg: RunConfig, world_size: int = 1, cuts_model: bool = False, processes: int | None = None
+    cfg: RunConfig,
+    world_size: int = 1,
+    cuts_model: bool = False,
+    processes: int | None = None,
+    moe_given: Sequence[str] | None = None,
 ) -> str | None:
     """Return a one-line description of what is wrong with `cfg`, or None. `world_size`: the ranks the
     batch is split over; `processes`: the ranks in all (default `world_size`), each making its own data.
-    `cuts_model`: the impl cuts the model between its blocks (model_parallel, pipeline)."""
+    `cuts_model`: the impl cuts the model between its blocks (model_parallel, pipeline). `moe_given`: the
+    experts' options the command line gave (experts_problem)."""
     import torch  # local: the parser itself must stay importable without torch for quick CLI errors
 
     if cfg.gpt_layers != 2 and cfg.model != "gpt":
         return f"--gpt-layers sets the depth of --model gpt, not of --model {cfg.model}"
-    if problem := experts_problem(cfg):
+    if problem := experts_problem(cfg, moe_given):
         return problem
     if cfg.precision == "fp16" and not uses_cuda(cfg):  # (before a model of yours is tried in fp16)
         return "--precision fp16 needs CUDA (GradScaler); on CPU use --precision bf16"
@@ -557,6 +563,8 @@ def validate(
         return f"--resume: {problem}"
     if (cfg.profile or cfg.tensorboard) and not cfg.out:
         return "--profile and --tensorboard write under --out; give --out DIR"
+    if cfg.profile and cfg.steps is not None and cfg.steps < PROFILED_UNTIL:
+        return f"--profile traces steps 3-5 of a run (distref.training.monitor): give --steps {PROFILED_UNTIL} or more"
     return written_over_problem(cfg)
 
 
@@ -566,10 +574,14 @@ def written_over_problem(cfg: RunConfig) -> str | None:
     checkpoints (where it writes any) and a --save-final that does not exist; a resumed run continues its
     own files, but may not write checkpoints over those later than the one it resumes (a branch goes to
     another --checkpoint-dir) nor make a checkpoint a --save-final file."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None  # (a restarted attempt of this run: what is there, its earlier attempt wrote)
     held = checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else []
     resumes = cfg.resume is not None and not (cfg.resume == "auto" and not held)  # (auto, none yet: starts)
     writes_checkpoints = cfg.checkpoint_every > 0
     continue_it = "continue that run with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
+    if cfg.save_final and (problem := save_final_problem(Path(cfg.save_final), resumes)):
+        return problem
     if cfg.out and not resumes and (Path(cfg.out) / "record.json").exists():
         return f"--out {cfg.out} already holds a record.json; choose another --out, or {continue_it}"
     if held and writes_checkpoints and cfg.resume is None:
@@ -580,25 +592,48 @@ def written_over_problem(cfg: RunConfig) -> str | None:
         )
     if held and writes_checkpoints and cfg.resume not in (None, "auto"):
         resumed = Path(cfg.resume).resolve()
-        in_folder = resumed.parent == Path(cfg.checkpoint_dir).resolve()  # (else: another run's folder)
-        later = [p.name for p in held if not in_folder or p.name > resumed.name]
-        if later:
+        if resumed.parent != Path(cfg.checkpoint_dir).resolve():
+            return (
+                f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints of another run (the newest "
+                f"{held[-1].name}) than the one --resume {cfg.resume} continues; choose another --checkpoint-dir"
+            )
+        if later := [p.name for p in held if p.name > resumed.name]:
             return (
                 f"--resume {cfg.resume} would write over --checkpoint-dir {cfg.checkpoint_dir}'s "
                 f"{', '.join(later[:2])}{' ...' if len(later) > 2 else ''}; continue from the newest with "
                 "--resume auto, or branch into another --checkpoint-dir"
             )
-    if cfg.save_final and Path(cfg.save_final).exists():
-        final = Path(cfg.save_final).resolve()
-        is_checkpoint = CHECKPOINT_NAME.match(final.name) or (
-            cfg.resume not in (None, "auto") and final == Path(cfg.resume).resolve()
+    return None
+
+
+# A checkpoint's files: its index step-N.pt, pipeline's step-N.<part>.pt beside it, a folder step-N/
+CHECKPOINT_FILE = re.compile(r"^step-\d{8}(\..+)?\.pt$")
+CHECKPOINT_FOLDER = re.compile(r"^step-\d{8}$")
+
+
+def save_final_problem(final: Path, resumes: bool) -> str | None:
+    """Why --save-final `final` would write over what a run wrote, or None. Never where a checkpoint or
+    a part of one lies (a parameters-only file there is what --resume auto would take for a checkpoint);
+    an existing file only in a resumed session, and only a --save-final of an earlier session (parameters
+    only), not a checkpoint, a record or anything else."""
+    resolved = final.resolve()
+    if CHECKPOINT_FILE.match(resolved.name) or any(CHECKPOINT_FOLDER.match(p.name) for p in resolved.parents):
+        return (
+            f"--save-final {final} is where a checkpoint's files go (step-N.pt, step-N/): a parameters-only "
+            "file there would be taken for one, or replace one; choose another name"
         )
-        if is_checkpoint or not resumes:
-            what = "a checkpoint" if is_checkpoint else "a file"
-            return (
-                f"--save-final {cfg.save_final} is {what} already there, which this run would write over; "
-                f"choose another path{', or ' + continue_it if not resumes and not is_checkpoint else ''}"
-            )
+    if not final.exists():
+        return None
+    if not resumes:
+        return (
+            f"--save-final {final} is a file already there, which this run would write over; choose another "
+            "path, or continue that run with --resume auto --checkpoint-dir DIR (or --resume CHECKPOINT)"
+        )
+    if (problem := not_a_checkpoint(final)) is None or "is not a checkpoint" not in problem:
+        return (
+            f"--save-final {final} is a file already there that no earlier --save-final wrote (a --save-final "
+            "holds parameters only), which this run would write over; choose another path"
+        )
     return None
 
 

@@ -430,7 +430,10 @@ def test_a_two_step_session_at_stage_3_counts_no_step_and_says_why(tmp_path):
     run_zero(1, [*COST_RUN, "--steps", "2", "--zero-stage", "3", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["communication"]["step"] is None and record["communication"]["measured"] == [None]
-    assert "a session of 2 steps: its third is counted" in record["communication"]["not_counted"]
+    assert (
+        "a session of 2 steps: a session's third step is the one counted"
+        in record["communication"]["not_counted"]
+    )
     check_model_states_predicted(record)
 
 

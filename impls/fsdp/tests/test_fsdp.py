@@ -132,16 +132,19 @@ def test_bf16_mixed_precision_trains_within_a_band_of_fp32(single_train, tmp_pat
 
 @pytest.mark.faults
 def test_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path):
-    """pipeline's checkpoints are DCP folders too, their optimizer state keyed by parameter name: resumed
-    here they are named another impl's in one line (they ended in DCP's `Missing key` traceback)."""
+    """pipeline's checkpoints are DCP folders too, their optimizer state keyed by parameter name and their
+    stages by rank: resumed here they are named pipeline's in one line (they ended in DCP's `Missing key`
+    traceback)."""
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
     args = [*SYNTHETIC, "--global-batch-size", "16", "--steps", "4", "--timeout", "60"]
     made = launch(2, "pipeline", [*args, *ckpt, "--checkpoint-every", "2", "--out", str(tmp_path / "pp")])
     assert made.returncode == 0, made.stderr[-2000:]
     refused = launch(2, IMPL, [*args, *ckpt, "--resume", "auto", "--out", str(tmp_path / "fsdp")])
     assert refused.returncode != 0
-    said = "fsdp: error: checkpoint " + str(tmp_path / "ckpt" / "step-00000004.pt") + " is another impl's"
-    assert refused.stderr.count(said) == 1 and "keyed by parameter name" in refused.stderr
+    said = "fsdp: error: checkpoint " + str(tmp_path / "ckpt" / "step-00000004.pt") + " is pipeline's"
+    assert (
+        refused.stderr.count(said) == 1 and "stages_by_rank, which this impl does not read" in refused.stderr
+    )
     assert 'train.py", line' not in refused.stderr  # no rank's traceback
 
 

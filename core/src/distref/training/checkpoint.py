@@ -144,6 +144,9 @@ def options(config: dict[str, Any]) -> dict[str, Any]:
 
 COMMON_KEYS = ("step", "total_steps", "rng", "record", "config")  # in every checkpoint (checkpoint_state)
 NOT_RECORDED = "not recorded"  # the impl of a checkpoint written before core 0.20.0
+# What a sharded checkpoint's index says of its files (save_sharded_checkpoint, deepspeed_zero's index),
+# checked by the loaders that read them, not a layout of the state
+INDEX_KEYS = {"folder", "sha256", "world_size", "optimizer_by_parameter_name", "zero_stage"}
 # Checkpoint formats an impl no longer reads: a key only that format's index holds, and what to do.
 RETIRED_FORMATS = {
     "stage_sha256": "pipeline before 0.10.0 wrote a file per stage rank; it now writes a "
@@ -171,11 +174,18 @@ def load_checkpoint(
         )
     if retired := [why for key, why in RETIRED_FORMATS.items() if key in state]:
         raise CheckpointError(f"checkpoint {path} is in a format this version no longer reads: {retired[0]}")
+    whose = f"{state['impl']['name']}'s" if "impl" in state else "another impl's"
     if missing := [key for key in holds if key not in state]:
         own = sorted(set(state) - set(COMMON_KEYS) - {"impl"}) or ["nothing else"]
-        whose = f"{state['impl']['name']}'s" if "impl" in state else "another impl's"
         raise CheckpointError(
             f"checkpoint {path} is {whose} (it holds {', '.join(own)}, not {', '.join(missing)}): "
+            "resume it with the impl that wrote it"
+        )
+    # A state this impl reads all of, and more that it does not (model_parallel's parts and their cut
+    # beside single's keys; pipeline's stages beside fsdp's): another layout, not another run of its own.
+    if holds and (foreign := sorted(set(state) - set(COMMON_KEYS) - {"impl"} - set(holds) - INDEX_KEYS)):
+        raise CheckpointError(
+            f"checkpoint {path} is {whose} (it holds {', '.join(foreign)}, which this impl does not read): "
             "resume it with the impl that wrote it"
         )
     # Options a checkpoint predates (e.g. gpt_layers, added in core 0.3.0) had their default value then.

@@ -49,6 +49,7 @@ def tensorboard_writer(cfg: RunConfig, enabled: bool):
 # communication is counted (distref.training.traffic: a Python dispatch mode around every operator, which
 # the table would show as a third of the time).
 PROFILED_STEPS = 3
+PROFILED_UNTIL = 6  # the steps a run needs for them (cli refuses --profile with fewer)
 
 
 def profiler(cfg: RunConfig, rank: int):
@@ -83,9 +84,10 @@ def write_time_table(prof: torch.profiler.profile, path: Path, rows: int = 30) -
     children), device time, memory, one table (torch's `key_averages().table`)."""
     on_device = torch.profiler.ProfilerActivity.CUDA in prof.activities
     by = "self_device_time_total" if on_device else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=by, row_limit=rows)
+    averages = prof.key_averages()
+    steps = sum(event.count for event in averages if event.key == "ProfilerStep*")  # (as many as ran)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        f"# where {PROFILED_STEPS} steps' time went, by operator, sorted by {by} (the timeline: the "
-        f"trace beside this file)\n{table}\n"
+        f"# where {steps} steps' time went, by operator, sorted by {by} (the timeline: the trace beside "
+        f"this file)\n{averages.table(sort_by=by, row_limit=rows)}\n"
     )

@@ -225,7 +225,7 @@ class Traffic:
         self._step_to_count = counted if counted < n_steps else None
         plural = "" if steps == 1 else "s"
         self.not_counted = (
-            f"a session of {steps} step{plural}: its third is counted, the first steady one"
+            f"a session of {steps} step{plural}: a session's third step is the one counted, its first steady one"
             if self._step_to_count is None
             else None
         )
