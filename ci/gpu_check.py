@@ -66,11 +66,12 @@ PRECISIONS = ("fp32", "bf16")
 # came 3e-7 apart with SGD, 1e-5 with AdamW (the tolerance itself), and CUDA's kernels need not be
 # deterministic. bf16's rows (the speed table, no exact oracle) train with AdamW.
 OPTIMIZER = {"fp32": ["--optimizer", "sgd"], "bf16": ["--optimizer", "adamw"]}
-# (name, options) run once on ddp ×1: the features the GPU issue saw work, kept working.
+# (name, options, the fewest steps it runs) run once on ddp ×1: the features the GPU issue saw work, kept
+# working. The profiler traces steps 3-5 (distref.training.monitor.PROFILED_UNTIL: 6 steps at least).
 FEATURES = (
-    ("fp16", ["--precision", "fp16"]),
-    ("activation-checkpointing", ["--activation-checkpointing"]),
-    ("profiler", ["--profile"]),
+    ("fp16", ["--precision", "fp16"], 1),
+    ("activation-checkpointing", ["--activation-checkpointing"], 1),
+    ("profiler", ["--profile"], 6),
 )
 
 
@@ -234,12 +235,13 @@ def plan_jobs(
                     impl=impl,
                 )
             )
-    for feature, extra in FEATURES:
+    for feature, extra, fewest_steps in FEATURES:
         if feature == "fp16" and device != "cuda":
             not_run.append(("ddp ×1 fp16", "fp16 trains with the grad scaler on CUDA only"))
             continue
         run_out = out / "features" / feature
-        options = [*GPT, "--steps", str(steps), "--device", device, "--out", str(run_out), *extra]
+        options = [*GPT, "--steps", str(max(steps, fewest_steps)), "--device", device, "--out", str(run_out)]
+        options += extra
         train = str(ROOT / "impls" / "ddp" / "train.py")
         argv = [python, train, "--nproc-per-node", "1", *options]
         jobs.append(Job(f"ddp ×1 {feature}", "feature", argv, run_out, impl="ddp"))

@@ -332,3 +332,13 @@ def test_parity_is_checked_only_where_single_makes_the_same_sums(gpu_check, tmp_
             "tolerance": 1e-5,
             "error": "no final.pt from this run or from single",
         }
+
+
+def test_the_profiler_row_runs_the_steps_the_profiler_traces(gpu_check, tmp_path):
+    """--profile needs 6 steps (it traces steps 3-5): the row runs them even in a 3-step rehearsal."""
+    from distref.training.monitor import PROFILED_UNTIL
+
+    assert {name: fewest for name, _, fewest in gpu_check.FEATURES}["profiler"] == PROFILED_UNTIL
+    jobs, _ = gpu_check.plan_jobs(gpus=1, device="cpu", out=tmp_path, steps=3)
+    profiler = next(job for job in jobs if job.name == "ddp ×1 profiler")
+    assert profiler.argv[profiler.argv.index("--steps") + 1] == str(PROFILED_UNTIL)
