@@ -18,6 +18,10 @@ rank = int(os.environ["RANK"])
 env = [os.environ[k] for k in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")]
 open(f"pid-{rank}", "w").write(str(os.getpid()))
 print(f"rank {rank}: {__name__} {sys.argv[1:]} {env}", flush=True)
+if rank == 1 and ("--fail" in sys.argv or "--raise" in sys.argv):  # once every rank has left its pid
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(os.path.exists(f"pid-{r}") for r in range(int(env[0]))):
+        time.sleep(0.01)
 if "--fail" in sys.argv and rank == 1:
     sys.exit(3)
 if "--raise" in sys.argv and rank == 1:
