@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +44,14 @@ from distref.config import (
 from distref.data.datasets import sequence_length_problem, train_set_size
 from distref.data.tensors import DataError
 from distref.schedulers import SchedulerError, srun_task, take_rank_from_scheduler
-from distref.training.checkpoint import CheckpointError, checkpoint_problem, checkpoints, not_a_checkpoint
+from distref.training.checkpoint import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_FOLDER,
+    CheckpointError,
+    checkpoint_problem,
+    checkpoints,
+    not_a_checkpoint,
+)
 from distref.training.monitor import PROFILED_UNTIL
 from distref.your_model import own_code_problem
 
@@ -604,11 +610,6 @@ def written_over_problem(cfg: RunConfig) -> str | None:
                 "--resume auto, or branch into another --checkpoint-dir"
             )
     return None
-
-
-# A checkpoint's files: its index step-N.pt, pipeline's step-N.<part>.pt beside it, a folder step-N/
-CHECKPOINT_FILE = re.compile(r"^step-\d{8}(\..+)?\.pt$")
-CHECKPOINT_FOLDER = re.compile(r"^step-\d{8}$")
 
 
 def save_final_problem(final: Path, resumes: bool) -> str | None:

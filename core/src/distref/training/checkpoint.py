@@ -32,6 +32,9 @@ from distref.training.optim import lr_factor
 from distref.training.traffic import TRAFFIC
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8})\.pt$")
+# A checkpoint's files: its index step-N.pt, pipeline's step-N.<part>.pt beside it, a folder step-N/
+CHECKPOINT_FILE = re.compile(r"^step-\d{8}(\..+)?\.pt$")
+CHECKPOINT_FOLDER = re.compile(r"^step-\d{8}$")
 # A checkpoint cannot continue a run that differs in any option that defines it. (A new --lr or
 # --weight-decay would otherwise be overridden by the optimizer state in the checkpoint while the record
 # claimed it.)
