@@ -1,6 +1,7 @@
 """Fixtures and hooks for core/tests and every impls/<x>/tests; the helpers tests import live in
 `distref.testing`."""
 
+import gc
 import json
 import os
 
@@ -27,7 +28,16 @@ from distref.testing import (
     load_train_module,
     parity_args,
 )
-from distref.testing.timing import seconds_by_test, time_by_kind
+from distref.testing.timing import (
+    CPU_SECONDS,
+    cpu_seconds,
+    cpu_seconds_by_test,
+    most_cpu,
+    seconds_by_test,
+    time_by_kind,
+)
+
+CPU_AT_SETUP = pytest.StashKey[float]()
 
 
 @pytest.fixture(autouse=True)
@@ -47,11 +57,13 @@ def pytest_terminal_summary(terminalreporter, config):
     # Where the suite's time went, by kind of test (beside --durations' slowest tests)
     reports = [r for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "nodeid")]
     reports = [r for r in reports if getattr(r, "when", None)]  # (tests' phases, not collection's)
-    for line in time_by_kind(reports):
+    for line in [*most_cpu(reports), *time_by_kind(reports)]:
         terminalreporter.write_line(line)
     if durations := os.environ.get("DISTREF_TEST_DURATIONS"):  # .ci/run: the budget's lines (ci/budget.py)
         Path(durations).parent.mkdir(parents=True, exist_ok=True)
         Path(durations).write_text(json.dumps(seconds_by_test(reports), indent=0) + "\n")
+        cpu = Path(durations).with_name(Path(durations).stem + "-cpu.json")
+        cpu.write_text(json.dumps(cpu_seconds_by_test(reports), indent=0) + "\n")
     rows = [
         value
         for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
@@ -67,15 +79,30 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(row)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[CPU_AT_SETUP] = cpu_seconds()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Where the GPU tests must run (DISTREF_REQUIRE_GPU=1: the GPU workflow), a skipped one fails: a
-    machine without a usable GPU must not pass as a GPU run."""
+    """A test's CPU seconds (setup to teardown, its processes' too) travel on its teardown report. Where
+    the GPU tests must run (DISTREF_REQUIRE_GPU=1: the GPU workflow), a skipped one fails: a machine
+    without a usable GPU must not pass as a GPU run."""
+    if call.when == "teardown" and CPU_AT_SETUP in item.stash:
+        item.user_properties.append((CPU_SECONDS, round(cpu_seconds() - item.stash[CPU_AT_SETUP], 2)))
     outcome = yield
     report = outcome.get_result()
     if report.skipped and item.get_closest_marker("gpu") and os.environ.get("DISTREF_REQUIRE_GPU") == "1":
         report.outcome = "failed"
         report.longrepr = f"a gpu test skipped where DISTREF_REQUIRE_GPU=1: {report.longrepr}"
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, distref, every test module) lives as long as the session: frozen
+    out of Python's collections, which then traverse only what the tests make (a run's own teardown
+    freezes its imports the same way: distref.distributed.destroy_process_group_on_exit)."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ proves nothing about a mutant.
 A mutant is *killed* when pytest reports failing tests (exit code 1); a crash, a collection error or a
 time-out is reported as such, not as a kill. The session fails if any mutant is not killed.
 
-    python ci/mutants.py                         # all of them (about 20 minutes on 2 cores)
+    python ci/mutants.py                         # all of them, two at a time (--jobs)
     python ci/mutants.py --only ddp-loss-not-averaged --only time-to-target-zero
     python ci/mutants.py --list                  # the table of them (Markdown), for docs/testing.md
 """
@@ -18,6 +18,7 @@ time-out is reported as such, not as a kill. The session fails if any mutant is 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
@@ -70,15 +71,28 @@ def mutated(mutant: dict, tree: Path) -> str:
     return text.replace(mutant["find"], mutant["replace"])
 
 
-def run_tests(tree: Path, tests: list[str]) -> tuple[int, str, float]:
-    """pytest in `tree`, importing that tree's distref (PYTHONPATH goes before the editable install)."""
+def run_tests(tree: Path, tests: list[str], workers: int = 1) -> tuple[int, str, float]:
+    """pytest in `tree`, importing that tree's distref (PYTHONPATH goes before the editable install);
+    `workers` > 1: that many at a time (pytest-xdist), and all of them run (no -x)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tree / "core" / "src"), os.environ.get("PYTHONPATH", "")]),
         "DISTREF_DATA": os.environ.get("DISTREF_DATA", str(ROOT / "data")),  # datasets are shared, read-only
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests]
+    at_a_time = ["-n", str(workers), "--dist", "worksteal"] if workers > 1 else ["-x"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *at_a_time,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        *tests,
+    ]
     start = time.perf_counter()
     try:
         result = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -106,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python ci/mutants.py", description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="run this mutant (repeatable)")
     parser.add_argument("--list", action="store_true", help="print the mutants as a Markdown table and exit")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="mutants tested at a time (default: 2, the cores here)"
+    )
     args = parser.parse_args(argv)
     mutants = load_mutants()
     if args.list:
@@ -117,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no such mutant: {', '.join(sorted(unknown))} (see --list)")
         mutants = [m for m in mutants if m["name"] in args.only]
 
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="distref-mutants-") as tmp:
         baseline = Path(tmp) / "baseline"
         copy_work_tree(baseline)
@@ -124,33 +142,38 @@ def main(argv: list[str] | None = None) -> int:
             mutated(m, baseline)
         needed = sorted({t for m in mutants for t in m["tests"]})
         print(f"mutants: the {len(needed)} test(s) they name, on the unmutated tree ...", flush=True)
-        code, output, seconds = run_tests(baseline, needed)
+        code, output, seconds = run_tests(baseline, needed, workers=args.jobs + 1)  # (as nox -s tests: 3)
         if code != 0:
             print(output[-5000:])
             print(f"mutants: the tests fail without any mutant (exit {code}): fix them first")
             return 1
         print(f"mutants: unmutated tree passes ({seconds:.0f} s)", flush=True)
 
-        rows, survivors = [], []
-        for m in mutants:
+        def run_mutant(m: dict) -> tuple[str, str, str, float]:
             tree = Path(tmp) / m["name"]
             shutil.copytree(baseline, tree)
             (tree / m["file"]).write_text(mutated(m, tree))
             code, output, seconds = run_tests(tree, m["tests"])
+            shutil.rmtree(tree)
             if code == 1:
                 verdict = f"killed by {first_failure(output)}"
             else:
                 verdict = {0: "SURVIVED", -1: f"time-out ({TIMEOUT_S} s)"}.get(code, f"error (exit {code})")
-                survivors.append(m["name"])
-            rows.append((m["name"], m["file"], verdict, seconds))
             print(f"mutants: {m['name']}: {verdict} ({seconds:.0f} s)", flush=True)
-            shutil.rmtree(tree)
+            return m["name"], m["file"], verdict, seconds
+
+        # Each mutant's tests run in a pytest of their own, mostly on one core: --jobs of them at a time
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(run_mutant, mutants))
+        survivors = [name for name, _, verdict, _ in rows if not verdict.startswith("killed")]
 
     width = max(len(r[0]) for r in rows)
     print(f"\n| {'mutant':<{width}} | file | verdict | s |\n|{'-' * (width + 2)}|---|---|---|")
     for name, file, verdict, seconds in rows:
         print(f"| {name:<{width}} | `{file}` | {verdict} | {seconds:.0f} |")
-    print(f"\n{len(rows) - len(survivors)} killed, {len(survivors)} not killed")
+    print(
+        f"\n{len(rows) - len(survivors)} killed, {len(survivors)} not killed ({time.perf_counter() - started:.0f} s)"
+    )
     return 1 if survivors else 0
 
 

@@ -196,3 +196,22 @@ def test_a_sequence_length_whose_data_outgrows_the_memory_is_one_line(monkeypatc
     assert "2 process(es)" in datasets.sequence_length_problem(long, 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # (torchrun's: the ranks on this node, not the world)
     assert datasets.sequence_length_problem(long, 8) is None
+
+
+def test_eval_samples_scores_the_first_n_test_samples_and_the_record_says_so(tmp_path):
+    """--eval-samples N: the test set is its first N samples (every impl loads it through load_dataset),
+    the record's config and its accuracy say so; N beyond the test set scores all of it."""
+    from distref.cli import parse_config
+    from distref.testing import load_train_module
+
+    args = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--global-batch-size", "8"]
+    _, whole, _ = load_dataset(parse_config(args, "x"))
+    _, first, _ = load_dataset(parse_config([*args, "--eval-samples", "100"], "x"))
+    assert len(first) == 100 and torch.equal(first.x, whole.x[:100]) and torch.equal(first.y, whole.y[:100])
+    _, beyond, _ = load_dataset(parse_config([*args, "--eval-samples", str(len(whole) + 1)], "x"))
+    assert len(beyond) == len(whole)
+    with pytest.raises(SystemExit):  # (argparse: one line, exit 2)
+        parse_config([*args, "--eval-samples", "0"], "x")
+    record = load_train_module("single").main([*args, "--eval-samples", "100", "--out", str(tmp_path)])
+    assert record["config"]["eval_samples"] == 100
+    assert record["final_accuracy"] * 100 == pytest.approx(round(record["final_accuracy"] * 100))

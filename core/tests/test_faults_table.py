@@ -48,3 +48,22 @@ def test_the_table_names_each_row_s_impl_and_expected_behaviour():
         "checkpoint's name; the previous one stays the newest. | passed |"
     )
     assert expected in result.stdout, result.stdout[-2000:]
+
+
+def test_a_row_shows_the_times_measured_not_the_suite_s_own_notes():
+    """A fault test's report also carries the suite's notes (it started processes, its CPU seconds): the
+    row shows what `measured` recorded (a str among them once broke the table with a ValueError)."""
+    from types import SimpleNamespace
+
+    from distref.testing.faults import fault_table
+    from distref.testing.timing import CPU_SECONDS, STARTED_PROCESSES
+
+    properties = [("expected", "It ends."), STARTED_PROCESSES, ("job ended after the kill", 0.1)]
+    report = SimpleNamespace(
+        nodeid="impls/ddp/tests/test_ddp.py::test_x",
+        when="call",
+        duration=3.0,
+        user_properties=[*properties, (CPU_SECONDS, 2.5)],
+    )
+    rows = fault_table({"passed": [report]})
+    assert rows[-1] == "| ddp | `test_x` | It ends. | passed | job ended after the kill 0.1 s |"

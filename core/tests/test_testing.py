@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distref.testing import run_ranks
+from distref.testing import run_ranks, run_script
 
 # A stand-in for a train.py: says what it was given, leaves its pid in the working directory, then fails
 # or sleeps as asked.
@@ -100,35 +100,71 @@ def test_every_module_the_fork_server_preloads_imports():
     once named distref.testing.* modules that do not exist) made every rank import distref anew."""
     import importlib
 
-    from distref.testing import PRELOADED
+    from distref.testing.ranks import PRELOADED, PRELOADED_WITHOUT_GPUS, preloaded
 
-    for name in PRELOADED:
+    for name in [*PRELOADED, *PRELOADED_WITHOUT_GPUS]:
         importlib.import_module(name)
+    assert preloaded() == [*PRELOADED, *PRELOADED_WITHOUT_GPUS]  # (the CPU suite: GPUs hidden)
+
+
+def test_ranks_forked_by_the_fork_server_import_nothing_it_imported(tmp_path):
+    """A rank does not import again what the fork server preloaded (DeepSpeed's Muon optimizer and
+    scikit-learn's datasets once cost every rank of theirs about a second of CPU)."""
+    script = tmp_path / "imports.py"
+    script.write_text("import sys\nprint(sorted(sys.modules))\n")
+    result = run_ranks(1, str(script), [], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    imported = set(eval(result.stdout))
+    from distref.testing.ranks import preloaded
+
+    assert set(preloaded()) <= imported
 
 
 def test_the_time_by_kind_table_sums_each_kind_and_the_first_kind_that_holds_wins():
     from types import SimpleNamespace
 
-    from distref.testing.timing import STARTED_PROCESSES, time_by_kind
+    from distref.testing.timing import CPU_SECONDS, STARTED_PROCESSES, most_cpu, time_by_kind
 
-    def report(nodeid, duration, properties=(), keywords=()):
+    def report(nodeid, duration, properties=(), keywords=(), cpu=None):
+        properties = [*properties, *([(CPU_SECONDS, cpu)] if cpu is not None else [])]
         return SimpleNamespace(
-            nodeid=nodeid, duration=duration, user_properties=list(properties), keywords=keywords
+            nodeid=nodeid, duration=duration, user_properties=properties, keywords=keywords
         )
 
     reports = [
         report("t.py::test_a", 1.0),
-        report("t.py::test_a", 2.0),  # (another phase of the same test)
+        report("t.py::test_a", 2.0, cpu=2.0),  # (another phase of the same test: its teardown has its CPU)
         report("t.py::test_b[compile-is-a-no-op]", 0.0),  # (its parameters do not make it a compile test)
-        report("t.py::test_ranks", 10.0, [STARTED_PROCESSES]),
-        report("t.py::test_compiled_blocks", 5.0, [STARTED_PROCESSES]),
-        report("t.py::test_killed_rank", 20.0, [STARTED_PROCESSES], keywords=("faults",)),
+        report("t.py::test_ranks", 10.0, [STARTED_PROCESSES], cpu=30.0),
+        report("t.py::test_compiled_blocks", 5.0, [STARTED_PROCESSES], cpu=8.0),
+        report("t.py::test_killed_rank", 20.0, [STARTED_PROCESSES], keywords=("faults",), cpu=0.0),
     ]
     rows = time_by_kind(reports)
     assert rows[2:] == [
-        "| one process | 2 | 3 | 8% |",
-        "| multi-process | 1 | 10 | 26% |",
-        "| compile | 1 | 5 | 13% |",
-        "| faults | 1 | 20 | 53% |",
-        "| all | 5 | 38 | 100% |",
+        "| one process | 2 | 3 | 8% | 2 | 5% |",
+        "| multi-process | 1 | 10 | 26% | 30 | 75% |",
+        "| compile | 1 | 5 | 13% | 8 | 20% |",
+        "| faults | 1 | 20 | 53% | 0 | 0% |",
+        "| all | 5 | 38 | 100% | 40 | 100% |",
     ]
+    assert most_cpu(reports, shown=2)[1:] == [
+        "   30.0  t.py::test_ranks",
+        "    8.0  t.py::test_compiled_blocks",
+    ]
+
+
+def test_a_test_s_cpu_seconds_count_its_ranks_and_its_scripts(tmp_path):
+    """The CPU a test used counts what its processes used: a script's (waited for by this process) and the
+    ranks the fork server forked (waited for by it), not only pytest's own process."""
+    import sys
+
+    from distref.testing.timing import cpu_seconds
+
+    spin = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\n"
+    (tmp_path / "spin.py").write_text(spin)
+    before = cpu_seconds()
+    run_script([sys.executable, str(tmp_path / "spin.py")])
+    assert cpu_seconds() - before >= 1.0
+    before = cpu_seconds()
+    assert run_ranks(2, str(tmp_path / "spin.py"), [], timeout=60).returncode == 0
+    assert cpu_seconds() - before >= 2.0

@@ -203,6 +203,13 @@ def build_parser(
         help="evaluate every N steps (0: each epoch end)",
     )
     p(
+        "--eval-samples",
+        metavar="N",
+        type=positive_int,
+        help="score the first N samples of the test set (default: all of it): quicker evaluations, as "
+        "Megatron's --eval-iters; the record's accuracy is theirs",
+    )
+    p(
         "--target-accuracy",
         metavar="A",
         type=fraction,

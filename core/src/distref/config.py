@@ -145,6 +145,7 @@ class RunConfig:
     compile: bool = False
     device: str = "auto"
     eval_every: int = 0
+    eval_samples: int | None = None
     target_accuracy: float | None = None
     out: str | None = None
     save_final: str | None = None

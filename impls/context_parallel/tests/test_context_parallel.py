@@ -361,7 +361,7 @@ def test_killed_rank_resumes_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
-    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
+    """A SIGKILLed rank ends the job within 60 s; the launcher's report names it."""
     check_killed_rank_ends_the_job(IMPL, [*ELASTIC, "--steps", "200"], tmp_path)
 
 

@@ -44,6 +44,7 @@ from distref.testing import (
     train_path,
 )
 from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
+from distref.testing.faults import LAUNCHERS
 from distref.testing.own import check_parity_on_your_model
 from distref.training.checkpoint import checkpoint_state, save_checkpoint
 
@@ -409,20 +410,20 @@ ELASTIC = [
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*SYNTHETIC, "--steps", "400", "--global-batch-size", "32", "--grad-accum", "2"]  # 2 ranks
-    check_killed_rank_resumes_exactly("ddp", ELASTIC, 400, tmp_path, single)
+    check_killed_rank_resumes_exactly("ddp", ELASTIC, 400, tmp_path, single, launcher=LAUNCHERS)
 
 
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
     """A SIGKILLed rank ends the job within 60 s; torchrun's report names it."""
-    check_killed_rank_ends_the_job("ddp", ELASTIC, tmp_path)
+    check_killed_rank_ends_the_job("ddp", ELASTIC, tmp_path, launcher=LAUNCHERS)
 
 
 @pytest.mark.faults
 def test_stopped_rank_is_named_once_the_timeout_passes(tmp_path):
     """A SIGSTOPped rank: one line names it after --timeout (5 s here), exit code 1."""
-    check_stopped_rank_is_named("ddp", [*SYNTHETIC, "--steps", "100000"], tmp_path)
+    check_stopped_rank_is_named("ddp", [*SYNTHETIC, "--steps", "100000"], tmp_path, launcher=LAUNCHERS)
 
 
 @pytest.mark.faults

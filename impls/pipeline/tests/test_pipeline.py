@@ -437,7 +437,7 @@ def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_without_restarts_ends_the_job_naming_it(tmp_path):
-    """A SIGKILLed rank ends the job within 60 s; torchrun's report names it; its checkpoint resumes,
+    """A SIGKILLed rank ends the job within 60 s; the launcher's report names it; its checkpoint resumes,
     also under another layout of stages."""
     check_killed_rank_ends_the_job("pipeline", ELASTIC, tmp_path)
     # The checkpoint it left (zbv: rank 0 holds conv1 and fc2) resumes with 1f1b (conv1, conv2 | fc1, fc2)

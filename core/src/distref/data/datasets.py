@@ -532,9 +532,12 @@ def prepare_dataset_files(cfg) -> None:
 
 
 def load_dataset(cfg: RunConfig) -> tuple[TensorData, TensorData, DatasetInfo]:
-    """(train, test, info) for the run; raises DataError with an actionable message. Under
-    `--precision fp64` the inputs are float64, like the parameters (labels and tokens stay integers)."""
+    """(train, test, info) for the run; raises DataError with an actionable message. The test set is its
+    first --eval-samples samples where that is given. Under `--precision fp64` the inputs are float64,
+    like the parameters (labels and tokens stay integers)."""
     train, test, info = _load_dataset(cfg)
+    if cfg.eval_samples is not None and cfg.eval_samples < len(test):  # --eval-samples: the first N
+        test = TensorData(test.x[: cfg.eval_samples], test.y[: cfg.eval_samples])
     if cfg.precision == "fp64":
         train, test = (
             TensorData(d.x.double() if d.x.is_floating_point() else d.x, d.y) for d in (train, test)

@@ -204,22 +204,32 @@ def read_idx(path: Path) -> torch.Tensor:
     dimension as a big-endian int32, then the data) as a uint8 tensor. Read here rather than through
     torchvision.datasets.MNIST: importing torchvision costs every rank ~1.8 s of CPU (it imports
     torch._dynamo), most of a short test run on 2 cores; the files were md5-checked when prepared."""
-    data = path.read_bytes()
+    data = bytearray(path.read_bytes())  # (writable, as torch.frombuffer wants it: no second copy)
     if data[:3] != b"\x00\x00\x08":
         raise DataError(f"{path} is not an IDX file of unsigned bytes")
     dims = data[3]
     shape = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
-    return torch.frombuffer(bytearray(data[4 + 4 * dims :]), dtype=torch.uint8).reshape(shape)
+    return torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
 def idx_dataset(raw: Path, name: str):
-    x_train, x_test = (
-        read_idx(raw / f"{p}-images-idx3-ubyte").unsqueeze(1).float() / 255 for p in ("train", "t10k")
-    )
+    """MNIST's (or Fashion-MNIST's) images as floats normalised by the training images' mean and standard
+    deviation. Those two come exactly from the histogram of the training bytes (256 counts, in float64),
+    and the images are scaled in place: every rank of every run loads the set, and summing 47M floats,
+    then dividing and subtracting into new tensors, was 0.4 s of CPU per load, most of a short run's."""
+    train_bytes, test_bytes = (read_idx(raw / f"{p}-images-idx3-ubyte") for p in ("train", "t10k"))
     y_train, y_test = (read_idx(raw / f"{p}-labels-idx1-ubyte").long() for p in ("train", "t10k"))
-    mean, std = x_train.mean(), x_train.std()
+    counts = torch.bincount(train_bytes.flatten(), minlength=256).double()
+    pixels = torch.arange(256, dtype=torch.float64) / 255
+    mean = (counts * pixels).sum() / counts.sum()
+    std = ((counts * (pixels - mean) ** 2).sum() / (counts.sum() - 1)).sqrt()  # (torch.std's, unbiased)
+    scale, shift = (1 / (255 * std)).item(), (mean / std).item()
+
+    def normalised(images: torch.Tensor) -> torch.Tensor:  # (x / 255 - mean) / std
+        return images.unsqueeze(1).float().mul_(scale).sub_(shift)
+
     return (
-        TensorData((x_train - mean) / std, y_train),
-        TensorData((x_test - mean) / std, y_test),
+        TensorData(normalised(train_bytes), y_train),
+        TensorData(normalised(test_bytes), y_test),
         DatasetInfo(name, 10, (1, 28, 28), "image"),
     )

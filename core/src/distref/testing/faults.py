@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from distref.parity_metric import max_relative_difference
-from distref.testing.runs import ROOT, load_train_module, torchrun, train_path
-from distref.testing.timing import CURRENT_TEST
+from distref.testing.ranks import RankJob
+from distref.testing.runs import ROOT, load_train_module, start, torchrun, train_path
+from distref.testing.timing import CPU_SECONDS, CURRENT_TEST
 
 
 def measured(what: str, seconds: float) -> None:
@@ -48,6 +49,8 @@ def fault_table(stats: dict) -> list[str]:
                 continue
             name = report.nodeid.split("::")[-1]
             expected = properties.pop("expected")
+            # the times `measured` recorded (not the suite's own notes: processes started, CPU seconds)
+            properties = {k: v for k, v in properties.items() if isinstance(v, float) and k != CPU_SECONDS}
             times = (
                 ", ".join(f"{k} {v:g} s" for k, v in properties.items()) or f"{report.duration:.0f} s (test)"
             )
@@ -85,6 +88,14 @@ def worker_pid(marker: str, rank: int, deadline: float) -> int:
     raise TimeoutError(f"no rank {rank} worker for {marker}")
 
 
+# How a fault test starts its job. A fault is met by an impl's own code (its checkpoints, its process
+# groups' --timeout, its ranks leaving on SIGTERM), whichever launcher started it: each impl meets its
+# faults with ranks forked by the test's fork server (`distref.testing.start_ranks`, torchrun's ranks
+# without their interpreters' start-up), and the launchers' own part (torchrun's restarts and failure
+# report, `python train.py --nproc-per-node`'s) is tested once, in impls/ddp, with the launchers themselves.
+FORKED, LAUNCHERS = "forked", "launchers"
+
+
 def start_and_kill_rank1(train: str, args: list[str], ckpt_dir: Path, max_restarts: int):
     """Start a 2-rank torchrun job of `train`, SIGKILL rank 1 once a checkpoint exists; return (process,
     the time of the kill)."""
@@ -110,15 +121,34 @@ def start_and_kill_rank1(train: str, args: list[str], ckpt_dir: Path, max_restar
     return proc, time.time()
 
 
+def kill_rank1_once_it_checkpoints(job: RankJob, ckpt_dir: Path) -> float:
+    """SIGKILL rank 1 of forked `job` once a checkpoint exists in `ckpt_dir`; returns the time of the kill."""
+    from distref.training import latest_checkpoint
+
+    deadline = time.time() + 120
+    while latest_checkpoint(ckpt_dir) is None:
+        assert job.running() and time.time() < deadline, "no checkpoint appeared: " + job.stderr()[-3000:]
+        time.sleep(0.05)
+    os.kill(job.pids[1], signal.SIGKILL)
+    return time.time()
+
+
 def check_killed_rank_resumes_exactly(
-    impl: str, args: list[str], steps: int, tmp_path: Path, single_args: list[str] | None
+    impl: str,
+    args: list[str],
+    steps: int,
+    tmp_path: Path,
+    single_args: list[str] | None,
+    launcher: str = FORKED,
 ) -> None:
-    """Every multi-process impl: rank 1 SIGKILLed under `torchrun --max-restarts 1` (with checkpoints and
-    `--resume auto` in `args`) resumes from the last checkpoint and ends bit-identical to an uninterrupted
-    run, with a record of all `steps` steps. The uninterrupted run is impls/single with `single_args` (the
-    same workload, and the --grad-accum that makes it sum as the impl does), which the impl equals bit for
-    bit: in this process, it costs no ranks' start-up. An impl that sums otherwise than any single run
-    (tensor parallel: `single_args` None) is compared with its own uninterrupted run on 2 ranks."""
+    """Every multi-process impl: rank 1 SIGKILLed (with checkpoints and `--resume auto` in `args`), the
+    job's next attempt (`torchrun --max-restarts 1` starts it) resumes from the last checkpoint and ends
+    bit-identical to an uninterrupted run, with a record of all `steps` steps. The uninterrupted run is
+    impls/single with `single_args` (the same workload, and the --grad-accum that makes it sum as the impl
+    does), which the impl equals bit for bit: in this process, it costs no ranks' start-up. An impl that
+    sums otherwise than any single run (tensor parallel: `single_args` None) is compared with its own
+    uninterrupted run on 2 ranks. `launcher`: FORKED ranks, whose second attempt the test starts as torchrun
+    would (TORCHELASTIC_RESTART_COUNT=1), or LAUNCHERS: torchrun itself restarts them."""
     if single_args is not None:
         load_train_module("single").main([*single_args, "--save-final", str(tmp_path / "a.pt")])
     else:
@@ -129,15 +159,23 @@ def check_killed_rank_resumes_exactly(
             "--save-final",
             str(tmp_path / "a.pt"),
         ]
-        result = torchrun(2, impl, straight, timeout=300)
+        result = start(2, impl, straight).wait(300) if launcher == FORKED else torchrun(2, impl, straight)
         assert result.returncode == 0, result.stderr[-3000:]
     ckpt_dir = tmp_path / "elastic"
     resumed = [*args, "--checkpoint-dir", str(ckpt_dir), "--save-final", str(tmp_path / "b.pt")]
-    proc, _ = start_and_kill_rank1(
-        str(train_path(impl)), [*resumed, "--out", str(tmp_path / "out")], ckpt_dir, 1
-    )
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    resumed += ["--out", str(tmp_path / "out")]
+    if launcher == FORKED:
+        job = start(2, impl, resumed)
+        kill_rank1_once_it_checkpoints(job, ckpt_dir)
+        failed = job.wait(120)
+        assert failed.returncode == 1 and "the job failed: rank 1 " in failed.stderr, failed.stderr[-3000:]
+        second = start(2, impl, resumed, restart_count=1).wait(300)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        stdout = second.stdout
+    else:
+        proc, _ = start_and_kill_rank1(str(train_path(impl)), resumed, ckpt_dir, 1)
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
     assert f"{impl}: resumed from" in stdout  # the second attempt continued from a checkpoint
     a, b = (torch.load(tmp_path / f"{k}.pt", weights_only=True) for k in "ab")
     assert max_relative_difference(b, a) == 0.0  # bit-identical
@@ -145,29 +183,44 @@ def check_killed_rank_resumes_exactly(
     assert record["status"] == "completed" and [s["step"] for s in record["steps"]] == list(range(steps))
 
 
-def check_killed_rank_ends_the_job(impl: str, args: list[str], tmp_path: Path) -> None:
-    """Every multi-process impl: without restarts, a SIGKILLed rank ends the job within 60 s, and
-    torchrun's report names it."""
+def check_killed_rank_ends_the_job(
+    impl: str, args: list[str], tmp_path: Path, launcher: str = FORKED
+) -> None:
+    """Every multi-process impl: without restarts, a SIGKILLed rank ends the job within 60 s (its other
+    ranks leave on SIGTERM), and the launcher's report names it (torchrun's, or `start_ranks`')."""
     ckpt_dir = tmp_path / "ckpt"
-    proc, killed_at = start_and_kill_rank1(
-        str(train_path(impl)), [*args, "--checkpoint-dir", str(ckpt_dir)], ckpt_dir, 0
-    )
-    _, stderr = proc.communicate(timeout=120)
+    run_args = [*args, "--checkpoint-dir", str(ckpt_dir)]
+    if launcher == FORKED:
+        job = start(2, impl, run_args)
+        killed_at = kill_rank1_once_it_checkpoints(job, ckpt_dir)
+        result = job.wait(120)
+        returncode, stderr, named = (
+            result.returncode,
+            result.stderr,
+            "the job failed: rank 1 " in result.stderr,
+        )
+    else:
+        proc, killed_at = start_and_kill_rank1(str(train_path(impl)), run_args, ckpt_dir, 0)
+        _, stderr = proc.communicate(timeout=120)
+        returncode, named = proc.returncode, "rank      : 1" in stderr or "rank: 1" in stderr
     measured("job ended after the kill", time.time() - killed_at)
     assert time.time() - killed_at < 60, "the job outlived its killed rank by a minute"
-    assert proc.returncode != 0
-    assert "rank      : 1" in stderr or "rank: 1" in stderr, stderr[-3000:]  # torchrun's failure report
+    assert returncode != 0
+    assert named, stderr[-3000:]  # the launcher's failure report
 
 
-def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, timeout_s: int = 5) -> None:
+def check_stopped_rank_is_named(
+    impl: str, args: list[str], tmp_path: Path, timeout_s: int = 5, launcher: str = FORKED
+) -> None:
     """Every multi-process impl: a rank that stops (SIGSTOP: alive, silent) fails the job once a collective
     has waited --timeout, with one line naming the silent rank; then the job ends with exit code 1.
 
     torch 2.13's agent SIGKILLs a rank that ignores SIGTERM only 30 s after a failure (pytorch #192815;
     measured by hand: the job ends ~45 s after the stop with --timeout 10, README): this test kills the
     stopped rank itself once it is named, so that it does not sleep through those 30 s. A job that hangs
-    instead (the bug this guards against) fails the test at a deadline: stderr is read with select, no
-    read blocks, and the job runs in its own session, so that every process of it can be killed."""
+    instead (the bug this guards against) fails the test at a deadline: stderr is read as it grows, no
+    read blocks, and every process of the job can be killed (LAUNCHERS: `python train.py
+    --nproc-per-node 2`, run in its own session; FORKED: ranks `start_ranks` started)."""
     ckpt_dir = tmp_path / "ckpt"
     run_args = [
         *args,
@@ -178,55 +231,70 @@ def check_stopped_rank_is_named(impl: str, args: list[str], tmp_path: Path, time
         "--checkpoint-every",
         "5",
     ]
-    cmd = [sys.executable, str(train_path(impl)), "--nproc-per-node", "2", *run_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT, start_new_session=True
-    )
+    if launcher == FORKED:
+        job = start(2, impl, run_args)
+        pids, stderr_text, running = job.pids, job.stderr, job.running
+    else:
+        cmd = [sys.executable, str(train_path(impl)), "--nproc-per-node", "2", *run_args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT, start_new_session=True
+        )
+        received = bytearray()
+
+        def stderr_text() -> str:
+            while select.select([proc.stderr], [], [], 0)[0] and (
+                chunk := os.read(proc.stderr.fileno(), 65536)
+            ):
+                received.extend(chunk)
+            return received.decode(errors="replace")
+
+        pids, running = None, lambda: proc.poll() is None
     stopped = None
     try:
         deadline = time.time() + 120
         from distref.training import latest_checkpoint
 
         while latest_checkpoint(ckpt_dir) is None:  # training is under way
-            assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+            assert running() and time.time() < deadline, "no checkpoint appeared: " + stderr_text()[-3000:]
             time.sleep(0.05)
-        stopped = worker_pid(str(ckpt_dir), 1, deadline)
+        stopped = pids[1] if pids else worker_pid(str(ckpt_dir), 1, deadline)
         os.kill(stopped, signal.SIGSTOP)
         stopped_at = time.time()
         give_up = stopped_at + timeout_s + 60
         named_at = ended_at = None
-        received, lines = b"", []
         while time.time() < give_up:
-            readable, _, _ = select.select([proc.stderr], [], [], 0.2)
-            chunk = os.read(proc.stderr.fileno(), 65536) if readable else b""
-            received += chunk
-            *complete, received = received.split(b"\n")
-            for line in (c.decode(errors="replace") + "\n" for c in complete):
-                lines.append(line)
-                if "stopped responding" in line and named_at is None:
-                    named_at = time.time()
-                    os.kill(stopped, signal.SIGKILL)  # what torchrun does 30 s later
-            if readable and not chunk:  # end of stderr: the job has ended
-                proc.wait(timeout=10)
+            ended = not running()  # (before reading: what the job wrote before it ended is read below)
+            if named_at is None and "stopped responding" in stderr_text():
+                named_at = time.time()
+                os.kill(stopped, signal.SIGKILL)  # what torchrun does 30 s later
+            if ended:
                 ended_at = time.time()
                 break
+            time.sleep(0.1)
     finally:
         if stopped is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and any rank left, hung or not
-        proc.wait()
-        proc.stderr.close()
-    assert named_at is not None, (
-        f"no rank named within {timeout_s + 60} s of the stop: " + "".join(lines)[-3000:]
-    )
+        if launcher == FORKED:
+            for pid in job.pids:  # any rank left, hung or not
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            result = job.wait(60)
+            returncode, text = result.returncode, result.stderr
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and any rank left, hung or not
+            proc.wait()
+            text = stderr_text()
+            proc.stderr.close()
+            returncode = proc.returncode
+    assert named_at is not None, f"no rank named within {timeout_s + 60} s of the stop: " + text[-3000:]
     assert ended_at is not None, f"the job was still running {timeout_s + 60} s after the stop"
     measured("failure named after the stop", named_at - stopped_at)
     measured("job ended after it was named", ended_at - named_at)
-    named = [line for line in lines if "stopped responding" in line]
+    named = [line for line in text.splitlines() if "stopped responding" in line]
     assert len(named) == 1 and named[0].startswith(f"{impl}: error: rank 1 stopped responding: "), named
     assert f"rank 0 waited for it {timeout_s} s (--timeout)" in named[0]
     assert named_at - stopped_at < timeout_s + 10  # --timeout, and a few seconds to hear from the others
-    assert ended_at - named_at < 15 and proc.returncode == 1
+    assert ended_at - named_at < 15 and returncode == 1

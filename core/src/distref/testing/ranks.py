@@ -49,7 +49,19 @@ PRELOADED = [
     "distref.record",
     "distref.training",
     "distref.training.checkpoint",
+    # scikit-learn's digits (`--dataset digits`, the BatchNorm tests' set): 0.9 s of CPU a rank
+    "sklearn.datasets",
 ]
+# DeepSpeed's, where no GPU is visible (the CPU suite; conftest.py hides them): 1.2 s of CPU a rank of
+# deepspeed_zero, most of it the Muon optimizer its ZeRO check imports on every engine's start (it imports
+# torch._inductor). DeepSpeed picks its accelerator as it is imported: on a GPU machine the fork server
+# must not look for one before it forks the ranks.
+PRELOADED_WITHOUT_GPUS = ["deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"]
+
+
+def preloaded() -> list[str]:
+    """What the fork server imports: PRELOADED, and PRELOADED_WITHOUT_GPUS where no GPU is visible."""
+    return PRELOADED + (PRELOADED_WITHOUT_GPUS if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else [])
 
 
 def _rank_main(
@@ -90,6 +102,95 @@ def _rank_main(
     )  # a train.py ends its ranks this way too (distref.distributed.exit_without_interpreter_teardown)
 
 
+class RankJob:
+    """Ranks `start_ranks` started and has not waited for: their pids (rank i's is `pids[i]`), to stop or
+    kill one as a fault test does, and `wait`, which returns what `run_ranks` returns."""
+
+    def __init__(self, context, store, tmp: tempfile.TemporaryDirectory, argv: list[str]):
+        self._context, self._store, self._tmp, self._argv = context, store, tmp, argv
+        self.pids: list[int] = [process.pid for process in context.processes]
+
+    def running(self) -> bool:
+        """Whether a rank of the job is still alive."""
+        return any(process.is_alive() for process in self._context.processes)
+
+    def stderr(self) -> str:
+        """What the ranks have written to stderr so far."""
+        with open(os.path.join(self._tmp.name, "stderr")) as stderr:
+            return stderr.read()
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Wait for every rank to end: exit code 0 when each succeeded, else 1, the others stopped (SIGTERM,
+        then SIGKILL 30 s later, as torchrun's agent does), and the failure named on stderr, as torchrun's
+        report names it. Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds."""
+        deadline, returncode, failure = time.monotonic() + timeout, 0, ""
+        try:
+            while not self._context.join(max(deadline - time.monotonic(), 0)):  # True once all have ended
+                if time.monotonic() >= deadline:
+                    for process in self._context.processes:
+                        process.kill()
+                        process.join()
+                    self._close()
+                    raise subprocess.TimeoutExpired(self._argv, timeout)
+        except torch.multiprocessing.ProcessExitedException as exc:
+            returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
+            failure = f"run_ranks: the job failed: rank {exc.error_index} ({exc})\n"
+        out, err = (os.path.join(self._tmp.name, name) for name in ("stdout", "stderr"))
+        with open(out) as stdout, open(err) as stderr:
+            result = subprocess.CompletedProcess(
+                self._argv, returncode, stdout.read(), stderr.read() + failure
+            )
+        self._close()
+        return result
+
+    def _close(self) -> None:
+        self._store = None  # the ranks are gone: close the store's server
+        self._tmp.cleanup()
+
+
+def start_ranks(
+    nproc: int,
+    train_file: str,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    restart_count: int = 0,
+) -> RankJob:
+    """Start `train_file argv` as `nproc` ranks on this machine, as `torchrun --standalone --nproc-per-node
+    nproc` would start them (its attempt `restart_count`: 1 is what `--max-restarts` starts after a failed
+    first attempt), and return without waiting for them."""
+    note_started_processes()
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(preloaded())  # takes effect when this process starts its fork server
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    job_env = {
+        **(os.environ if env is None else env),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(nproc),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the ranks are clients of `store`, as of torchrun's agent's
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(restart_count),
+        "TORCHELASTIC_RUN_ID": "distref-testing",
+    }
+    tmp = tempfile.TemporaryDirectory()
+    out, err = os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")
+    open(out, "w").close()
+    open(err, "w").close()
+    context = torch.multiprocessing.start_processes(
+        _rank_main,
+        args=(train_file, list(argv), job_env, os.fspath(cwd or os.getcwd()), out, err),
+        nprocs=nproc,
+        join=False,
+        start_method="forkserver",
+    )
+    return RankJob(context, store, tmp, [train_file, *argv])
+
+
 def run_ranks(
     nproc: int,
     train_file: str,
@@ -102,45 +203,4 @@ def run_ranks(
     --nproc-per-node nproc` would, and return what a subprocess.run of torchrun returns: exit code 0 when
     every rank succeeded, else 1 (the other ranks are stopped), and the ranks' stdout and stderr.
     Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds."""
-    note_started_processes()
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)  # takes effect when this process starts its fork server
-    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
-    job_env = {
-        **(os.environ if env is None else env),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_WORLD_SIZE": str(nproc),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the ranks are clients of `store`, as of torchrun's agent's
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "distref-testing",
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        open(out, "w").close()
-        open(err, "w").close()
-        ranks = torch.multiprocessing.start_processes(
-            _rank_main,
-            args=(train_file, list(argv), job_env, os.fspath(cwd or os.getcwd()), out, err),
-            nprocs=nproc,
-            join=False,
-            start_method="forkserver",
-        )
-        deadline, returncode = time.monotonic() + timeout, 0
-        try:
-            while not ranks.join(max(deadline - time.monotonic(), 0)):  # True once every rank has ended
-                if time.monotonic() >= deadline:
-                    for process in ranks.processes:
-                        process.kill()
-                        process.join()
-                    raise subprocess.TimeoutExpired([train_file, *argv], timeout)
-        except torch.multiprocessing.ProcessExitedException:
-            returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
-        store = None  # the ranks are gone: close the store's server
-        with open(out) as stdout, open(err) as stderr:
-            return subprocess.CompletedProcess([train_file, *argv], returncode, stdout.read(), stderr.read())
+    return start_ranks(nproc, train_file, argv, env=env, cwd=cwd).wait(timeout)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distref.testing.ranks import run_ranks
+from distref.testing.ranks import RankJob, start_ranks
 from distref.testing.timing import note_started_processes
 
 # The repository (or exported project) root: the folder of the conftest.py above this package; where the
@@ -55,8 +55,16 @@ def launch(nproc: int, impl: str, args: list[str], timeout: float = 300, env: di
     the same ranks, forked from a process that has imported torch once (distref.testing.run_ranks), so
     that each does not spend ~2 s of CPU importing it. Tests of the launchers themselves (restarts,
     torchrun's failure report, `python train.py --nproc-per-node`) use `torchrun` and `self_launched`."""
+    return start(nproc, impl, args, env=env).wait(timeout)
+
+
+def start(nproc: int, impl: str, args: list[str], env: dict | None = None, restart_count: int = 0) -> RankJob:
+    """`launch`'s ranks, started and not waited for (a fault test stops or kills one of them); its
+    attempt `restart_count`, as torchrun's --max-restarts would start it."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return run_ranks(nproc, str(train_path(impl)), args, env=full_env, timeout=timeout, cwd=ROOT)
+    return start_ranks(
+        nproc, str(train_path(impl)), args, env=full_env, cwd=ROOT, restart_count=restart_count
+    )
 
 
 def torchrun(nproc: int, impl: str, args: list[str], **kwargs):

@@ -4,17 +4,44 @@ A test is of the first kind that holds of it: a **fault** test (marked `faults`)
 (torch.compile: "compile" in its name), a **multi-process** test (it started processes: ranks, a
 `python train.py`, torchrun — `distref.testing.runs` notes it), else a **one-process** test (an impl's
 `main` or core's code in pytest's own process). The table sums each kind's setup, call and teardown
-time over the tests (with `-n 3`, three run at once: the sums exceed the wall time).
+time over the tests (with `-n 3`, three run at once: the sums exceed the wall time), and the CPU time
+each used: its own process's, its processes' (torchrun and scripts, waited for) and its ranks' (forked by
+the fork server, which waits for them). On 2 busy cores a test's seconds grow with what runs beside it;
+its CPU seconds do not, and they are what the suite is bound by.
 """
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 KINDS = ("one process", "multi-process", "compile", "faults")
 CURRENT_TEST: list = []  # the running test (conftest sets it): what it does is noted on it
 STARTED_PROCESSES = ("started", "processes")  # the user property of a test that started processes
+CPU_SECONDS = "cpu_seconds"  # the user property holding a test's CPU seconds (conftest.py measures them)
+
+
+def _waited_cpu_seconds(pid: int) -> float:
+    """A process's CPU seconds and those of the children it has waited for (/proc/PID/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+def cpu_seconds() -> float:
+    """The CPU seconds used so far by this process, the children it waited for (a torchrun and its ranks,
+    a script) and the fork server that starts `run_ranks`' ranks with the ranks it has waited for."""
+    times = os.times()
+    used = times.user + times.system + times.children_user + times.children_system
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if pid := getattr(server, "_forkserver_pid", None):
+        used += _waited_cpu_seconds(pid)
+    return used
 
 
 def note_started_processes() -> None:
@@ -32,6 +59,16 @@ def test_kind(nodeid: str, properties: Iterable[tuple[str, Any]], keywords: Iter
     if tuple(STARTED_PROCESSES) in {tuple(p) for p in properties}:
         return "multi-process"
     return "one process"
+
+
+def cpu_seconds_by_test(reports: Iterable[Any]) -> dict[str, float]:
+    """Each test's CPU seconds, where measured (the teardown report carries them)."""
+    return {
+        report.nodeid: value
+        for report in reports
+        for key, value in getattr(report, "user_properties", ())
+        if key == CPU_SECONDS
+    }
 
 
 def seconds_by_test(reports: Iterable[Any]) -> dict[str, float]:
@@ -54,14 +91,25 @@ def time_by_kind(reports: Iterable[Any]) -> list[str]:
             kinds[report.nodeid] = kind
     if not seconds:
         return []
-    total = sum(seconds.values()) or 1.0
+    cpu = cpu_seconds_by_test(reports)
+    total, total_cpu = sum(seconds.values()) or 1.0, sum(cpu.values()) or 1.0
     rows = [
-        "\n| kind of test | tests | seconds (summed) | share |",
-        "|---|---:|---:|---:|",
+        "\n| kind of test | tests | seconds (summed) | share | CPU seconds | share |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for kind in KINDS:
         tests = [n for n, k in kinds.items() if k == kind]
-        spent = sum(seconds[n] for n in tests)
-        rows.append(f"| {kind} | {len(tests)} | {spent:.0f} | {spent / total:.0%} |")
-    rows.append(f"| all | {len(seconds)} | {total:.0f} | 100% |")
+        spent, used = sum(seconds[n] for n in tests), sum(cpu.get(n, 0.0) for n in tests)
+        rows.append(
+            f"| {kind} | {len(tests)} | {spent:.0f} | {spent / total:.0%} | {used:.0f} | {used / total_cpu:.0%} |"
+        )
+    rows.append(f"| all | {len(seconds)} | {total:.0f} | 100% | {sum(cpu.values()):.0f} | 100% |")
     return rows
+
+
+def most_cpu(reports: Iterable[Any], shown: int = 25) -> list[str]:
+    """The tests that used the most CPU, most first (what to look at to make the suite shorter)."""
+    cpu = sorted(((s, n) for n, s in cpu_seconds_by_test(reports).items()), reverse=True)[:shown]
+    if not cpu:
+        return []
+    return [f"\nthe {len(cpu)} tests that used the most CPU (seconds):"] + [f"{s:7.1f}  {n}" for s, n in cpu]
