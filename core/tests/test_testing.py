@@ -168,3 +168,14 @@ def test_a_test_s_cpu_seconds_count_its_ranks_and_its_scripts(tmp_path):
     before = cpu_seconds()
     assert run_ranks(2, str(tmp_path / "spin.py"), [], timeout=60).returncode == 0
     assert cpu_seconds() - before >= 2.0
+
+
+def test_forked_ranks_draw_their_own_unseeded_numpy_numbers(tmp_path):
+    """As torchrun's ranks (fresh interpreters) do: the fork server's numpy generator is not every rank's,
+    or a dataset function of yours that is not seeded would pass the ranks' agreement check here."""
+    script = tmp_path / "draw.py"
+    script.write_text("import numpy\nprint(numpy.random.randint(2**62))\n")
+    result = run_ranks(2, str(script), [], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    drawn = result.stdout.split()
+    assert len(drawn) == 2 and drawn[0] != drawn[1]

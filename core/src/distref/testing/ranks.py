@@ -83,6 +83,11 @@ def _rank_main(
     os.environ.update({**env, "RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
     os.environ.update({"GROUP_RANK": "0", "ROLE_RANK": str(local_rank)})
     sys.argv = [train_file, *argv]
+    # A fresh interpreter seeds numpy's global generator from the OS; a fork inherits the fork server's
+    # (numpy is preloaded with scikit-learn), and every rank would draw the same "unseeded" numbers,
+    # hiding a dataset function of yours that is not seeded (Python's `random` reseeds itself at fork).
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     code = 0
     try:
         runpy.run_path(train_file, run_name="__main__")
