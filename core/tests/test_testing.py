@@ -179,3 +179,20 @@ def test_forked_ranks_draw_their_own_unseeded_numpy_numbers(tmp_path):
     assert result.returncode == 0, result.stderr
     drawn = result.stdout.split()
     assert len(drawn) == 2 and drawn[0] != drawn[1]
+
+
+def test_a_job_s_result_can_be_asked_for_again_and_a_killed_job_ends(tmp_path):
+    """`wait` again returns the same result (its files are gone by then); `kill` ends a job a test gives
+    up on (a fault test whose checkpoint never came left its ranks running)."""
+    from distref.testing.ranks import start_ranks
+
+    script = tmp_path / "say.py"
+    script.write_text(
+        "import sys, time\nprint('said', file=sys.stderr)\nif '--sleep' in sys.argv: time.sleep(600)\n"
+    )
+    job = start_ranks(2, str(script), [], cwd=tmp_path)
+    first = job.wait(60)
+    assert job.wait(60) is first and job.stderr() == first.stderr and first.stderr.count("said") == 2
+    sleeping = start_ranks(2, str(script), ["--sleep"], cwd=tmp_path)
+    sleeping.kill()
+    assert not sleeping.running() and sleeping.wait(10).returncode == 1

@@ -126,9 +126,13 @@ def kill_rank1_once_it_checkpoints(job: RankJob, ckpt_dir: Path) -> float:
     from distref.training import latest_checkpoint
 
     deadline = time.time() + 120
-    while latest_checkpoint(ckpt_dir) is None:
-        assert job.running() and time.time() < deadline, "no checkpoint appeared: " + job.stderr()[-3000:]
-        time.sleep(0.05)
+    try:
+        while latest_checkpoint(ckpt_dir) is None:
+            assert job.running() and time.time() < deadline, "no checkpoint appeared: " + job.stderr()[-3000:]
+            time.sleep(0.05)
+    except BaseException:
+        job.kill()  # (a job the test gives up on must not go on loading the machine)
+        raise
     os.kill(job.pids[1], signal.SIGKILL)
     return time.time()
 

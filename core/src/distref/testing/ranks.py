@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 import torch.multiprocessing
+from torch.multiprocessing.spawn import ProcessException
 
 from distref.testing.timing import note_started_processes
 
@@ -113,6 +114,7 @@ class RankJob:
 
     def __init__(self, context, store, tmp: tempfile.TemporaryDirectory, argv: list[str]):
         self._context, self._store, self._tmp, self._argv = context, store, tmp, argv
+        self._result: subprocess.CompletedProcess | None = None
         self.pids: list[int] = [process.pid for process in context.processes]
 
     def running(self) -> bool:
@@ -120,33 +122,42 @@ class RankJob:
         return any(process.is_alive() for process in self._context.processes)
 
     def stderr(self) -> str:
-        """What the ranks have written to stderr so far."""
+        """What the ranks have written to stderr so far (all of it, once `wait` has returned)."""
+        if self._result is not None:
+            return self._result.stderr
         with open(os.path.join(self._tmp.name, "stderr")) as stderr:
             return stderr.read()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still alive and wait for them (a test that gives up on its job)."""
+        for process in self._context.processes:
+            process.kill()
+            process.join()
 
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
         """Wait for every rank to end: exit code 0 when each succeeded, else 1, the others stopped (SIGTERM,
         then SIGKILL 30 s later, as torchrun's agent does), and the failure named on stderr, as torchrun's
-        report names it. Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds."""
+        report names it. Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds.
+        Called again, it returns the same result."""
+        if self._result is not None:
+            return self._result
         deadline, returncode, failure = time.monotonic() + timeout, 0, ""
         try:
             while not self._context.join(max(deadline - time.monotonic(), 0)):  # True once all have ended
                 if time.monotonic() >= deadline:
-                    for process in self._context.processes:
-                        process.kill()
-                        process.join()
+                    self.kill()
                     self._close()
                     raise subprocess.TimeoutExpired(self._argv, timeout)
-        except torch.multiprocessing.ProcessExitedException as exc:
+        except ProcessException as exc:  # (exited, or raised before train.py ran)
             returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
             failure = f"run_ranks: the job failed: rank {exc.error_index} ({exc})\n"
         out, err = (os.path.join(self._tmp.name, name) for name in ("stdout", "stderr"))
         with open(out) as stdout, open(err) as stderr:
-            result = subprocess.CompletedProcess(
+            self._result = subprocess.CompletedProcess(
                 self._argv, returncode, stdout.read(), stderr.read() + failure
             )
         self._close()
-        return result
+        return self._result
 
     def _close(self) -> None:
         self._store = None  # the ranks are gone: close the store's server
