@@ -1,7 +1,9 @@
 """Fixtures and hooks for core/tests and every impls/<x>/tests; the helpers tests import live in
 `distref.testing`."""
 
+import fcntl
 import gc
+import hashlib
 import json
 import os
 
@@ -133,22 +135,49 @@ def single_train():
 
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory, single_train):
-    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches."""
+    """impls/single's final parameters on a parity workload (cached): the oracle every impl matches.
+    Under pytest-xdist each is trained once for the whole run, by whichever worker asks first (the others
+    wait for its file): the same options, the same parameters, wherever it is trained."""
     from distref.data.mnist import prepare_mnist
 
     cache: dict[tuple, dict[str, torch.Tensor]] = {}
+    shared = shared_folder(tmp_path_factory, "single-references")
+
+    def train(key: tuple, path: Path) -> None:
+        model, grad_accum, extra = key
+        if model == "lenet":  # real MNIST, verified (gpt's workload needs no dataset)
+            prepare_mnist(DATA_ROOT)
+        single_train.main(
+            [*parity_args(model), "--grad-accum", str(grad_accum), *extra, "--save-final", str(path)]
+        )
 
     def reference(model: str, grad_accum: int = 1, extra: Sequence[str] = ()) -> dict[str, torch.Tensor]:
         """single's final state_dict on `model`'s parity workload, with --grad-accum and `extra` options."""
         key = (model, grad_accum, tuple(extra))
         if key not in cache:
-            if model == "lenet":  # real MNIST, verified (gpt's workload needs no dataset)
-                prepare_mnist(DATA_ROOT)
-            path = tmp_path_factory.mktemp("single") / "final.pt"
-            single_train.main(
-                [*parity_args(model), "--grad-accum", str(grad_accum), *extra, "--save-final", str(path)]
-            )
+            if shared is None:
+                path = tmp_path_factory.mktemp("single") / "final.pt"
+                train(key, path)
+            else:
+                path = shared / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:20]}.pt"
+                with open(path.with_suffix(".lock"), "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+                    if not path.exists():
+                        written = tmp_path_factory.mktemp("single") / "final.pt"
+                        train(key, written)
+                        os.replace(written, path)
             cache[key] = torch.load(path, weights_only=True)
         return cache[key]
 
     return reference
+
+
+def shared_folder(tmp_path_factory, name: str) -> Path | None:
+    """A folder every pytest-xdist worker of this run shares (beside their own temporary folders), or
+    None outside xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return None
+    folder = tmp_path_factory.getbasetemp().parent / f"{name}-{run}"
+    folder.mkdir(exist_ok=True)
+    return folder

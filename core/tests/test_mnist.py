@@ -50,6 +50,30 @@ def test_tampered_file_is_refused(mnist_root, tmp_path):
         prepare_mnist(tmp_path)
 
 
+def test_a_file_changed_after_it_was_checked_is_checked_again(mnist_root, tmp_path):
+    """A process keeps the md5 and the tensors of the files it read, by each file's identity (inode, size,
+    modification time): a copy checked and loaded, then altered in place, is refused when prepared again,
+    and its set is read anew where it is still readable; the same files give the same tensors."""
+    import shutil
+
+    raw = tmp_path / "MNIST" / "raw"
+    shutil.copytree(mnist_root / "MNIST" / "raw", raw)
+    cfg = parse_config(["--dataset", "mnist", "--data-root", str(tmp_path)], "test")
+    first = load_dataset(cfg)
+    assert load_dataset(cfg)[0].x is first[0].x  # (made once)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    data = bytearray(labels.read_bytes())
+    data[100] = (data[100] + 1) % 10
+    with open(labels, "r+b") as f:  # (in place: the same inode and size)
+        f.write(data)
+    with pytest.raises(DataError, match="refusing to use it"):
+        prepare_mnist(tmp_path)
+    from distref.data.mnist import idx_dataset
+
+    again = idx_dataset(raw, "mnist")
+    assert again[1].y is not first[1].y and (again[1].y != first[1].y).sum() == 1
+
+
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(DataError, match="missing"):
         verify_idx_files(tmp_path, MNIST_MD5)

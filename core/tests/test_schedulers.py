@@ -5,6 +5,7 @@ core/tests/test_kubernetes.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -230,7 +231,10 @@ def test_rendezvous_port_is_free_below_the_ephemeral_range_and_apart_by_job(tmp_
     with socket.socket() as holder:  # someone else listens there now: the next free one
         holder.bind(("", first_choice))
         holder.listen()
-        assert first_choice < rendezvous_port(7, str(ephemeral)) < 40000
+        assert (
+            first_choice != rendezvous_port(7, str(ephemeral))
+            and 1024 <= rendezvous_port(7, str(ephemeral)) < 40000
+        )
     assert rendezvous_port(7, str(ephemeral)) != rendezvous_port(8, str(ephemeral))
     ephemeral.write_text("30000\t60999\n")  # BASE_PORT + 999 would be ephemeral: wrapped below 30000
     assert all(1024 <= rendezvous_port(job, str(ephemeral)) < 30000 for job in (0, 499, 999))
@@ -244,6 +248,28 @@ def test_rendezvous_port_is_free_below_the_ephemeral_range_and_apart_by_job(tmp_
     ).stdout
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert 1024 <= int(printed) < low
+
+
+def test_two_jobs_whose_first_ports_are_held_do_not_take_the_same_next_one(tmp_path):
+    """Where ports are held a while (a finished cluster's jobs 1-12 leave theirs in TIME_WAIT), jobs 3 and
+    4 of the next must not both pass over them to the same free port (the second's rank 0 then failed to
+    listen: EADDRINUSE, seen running the SLURM session twice in a minute)."""
+    import socket
+
+    from distref.schedulers import BASE_PORT, rendezvous_port
+
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("40000\t60999\n")
+    with contextlib.ExitStack() as held:
+        for port in range(BASE_PORT + 1, BASE_PORT + 13):
+            holder = held.enter_context(socket.socket())
+            try:
+                holder.bind(("", port))
+            except OSError:
+                continue  # (held already)
+        chosen = {job: rendezvous_port(job, str(ephemeral)) for job in range(3, 9)}
+    assert not set(chosen.values()) & set(range(BASE_PORT + 1, BASE_PORT + 13))
+    assert len(set(chosen.values())) == len(chosen), chosen
 
 
 @pytest.mark.parametrize("job_id", ["abc", "-5", ""])

@@ -196,3 +196,38 @@ def test_a_job_s_result_can_be_asked_for_again_and_a_killed_job_ends(tmp_path):
     sleeping = start_ranks(2, str(script), ["--sleep"], cwd=tmp_path)
     sleeping.kill()
     assert not sleeping.running() and sleeping.wait(10).returncode == 1
+
+
+def test_forked_ranks_take_the_suite_s_data_sets_made_by_the_fork_server(tmp_path):
+    """distref.testing.preloaded_data makes the suite's sets in the fork server (any failure there is
+    silent, so it is checked here): a rank loading lenet's synthetic set and MNIST makes neither again."""
+    script = tmp_path / "load.py"
+    script.write_text(
+        "from distref.cli import parse_config\n"
+        "from distref.data import load_dataset, datasets, mnist\n"
+        "from distref.testing import DATA_ROOT\n"
+        "made = len(mnist._IDX_DATASETS), datasets.synthetic_images.cache_info().currsize\n"
+        "load_dataset(parse_config(['--model', 'lenet', '--dataset', 'synthetic'], 'x'))\n"
+        "load_dataset(parse_config(['--dataset', 'mnist', '--data-root', str(DATA_ROOT)], 'x'))\n"
+        "print(made, (len(mnist._IDX_DATASETS), datasets.synthetic_images.cache_info().currsize))\n"
+    )
+    result = run_ranks(1, str(script), [], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "(1, 1) (1, 1)", result.stdout  # (made already, none made since)
+
+
+def test_the_record_s_eval_is_checked_by_its_loss_too(tmp_path):
+    """check_record_scores_the_saved_model: a record whose accuracy is the saved model's but whose loss
+    is not (a rank scoring with its own BatchNorm statistics may keep the accuracy of a few samples) is
+    refused; the saved model's own scores pass."""
+    from distref.testing import check_record_scores_the_saved_model, load_train_module
+    from distref.testing.workloads import saved_model_scores
+
+    args = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--eval-samples", "64"]
+    load_train_module("single").main([*args, "--save-final", str(tmp_path / "final.pt")])
+    accuracy, loss = saved_model_scores(tmp_path / "final.pt", args)
+    record = {"final_accuracy": accuracy, "evals": [{"accuracy": accuracy, "loss": loss}]}
+    check_record_scores_the_saved_model(record, tmp_path / "final.pt", args)
+    record["evals"][-1]["loss"] = loss * (1 + 1e-3)
+    with pytest.raises(AssertionError):
+        check_record_scores_the_saved_model(record, tmp_path / "final.pt", args)

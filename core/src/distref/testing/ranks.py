@@ -52,6 +52,8 @@ PRELOADED = [
     "distref.training.checkpoint",
     # scikit-learn's digits (`--dataset digits`, the BatchNorm tests' set): 0.9 s of CPU a rank
     "sklearn.datasets",
+    # Last: the data sets the suite trains on, made once here (its import makes them)
+    "distref.testing.preloaded_data",
 ]
 # DeepSpeed's, where no GPU is visible (the CPU suite; conftest.py hides them): 1.2 s of CPU a rank of
 # deepspeed_zero, most of it the Muon optimizer its ZeRO check imports on every engine's start (it imports

@@ -67,12 +67,18 @@ def parity_args(model: str) -> list[str]:
     return [*PARITY_WORKLOADS[model], *steps, *QUICK_EVAL]
 
 
+# resnet18 scores digits' 360 test samples in 5x the CPU of its few training steps: the BatchNorm runs
+# score the first BATCHNORM_EVAL_SAMPLES, enough to tell one rank's statistics from another's.
+BATCHNORM_EVAL_SAMPLES = 64
+
+
 def batchnorm_args(steps: int) -> list[str]:
     """resnet18, the model with BatchNorm buffers, on the small digits set (SGD): `steps` steps and one
-    evaluation in about 10 s, for the tests where running statistics must come out right."""
+    evaluation of BATCHNORM_EVAL_SAMPLES, for the tests where running statistics must come out right."""
     return [
         *("--model", "resnet18", "--dataset", "digits", "--optimizer", "sgd", "--lr", "0.05"),
         *("--steps", str(steps), "--global-batch-size", "16"),
+        *("--eval-samples", str(BATCHNORM_EVAL_SAMPLES)),
     ]
 
 
@@ -150,6 +156,19 @@ def expected_time_to_target(record: dict) -> float | None:
 def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
     """Test accuracy of a saved state_dict, scored alone in this process (whole test set, one model):
     what a record's final_accuracy must equal for the model that --save-final wrote."""
+    return saved_model_scores(state_dict_path, args)[0]
+
+
+# The mean test loss of one model scored in one process against the same scored over ranks (each its
+# shard, the sums all-reduced): fp32 sums in another order, ~1e-7 apart. A rank scoring with its own
+# BatchNorm statistics moves it by 1e-3 or more.
+EVAL_LOSS_TOLERANCE = 1e-5
+
+
+def saved_model_scores(state_dict_path: Path, args: list[str]) -> tuple[float, float]:
+    """(accuracy, mean loss) of a saved state_dict on the test set of `args` (their --eval-samples too),
+    scored alone in this process: what a record's last eval must say for the model --save-final wrote.
+    The loss tells models apart where a few hundred samples' accuracy may not."""
     from distref.cli import parse_config
     from distref.data import eval_batches, load_dataset
     from distref.models import build_model
@@ -159,8 +178,17 @@ def score_saved_model(state_dict_path: Path, args: list[str]) -> float:
     _, test_set, info = load_dataset(cfg)
     model = build_model(cfg.model, info, cfg.gpt_layers, param_dtype(cfg), cfg.moe)  # fp64: scored in fp64
     model.load_state_dict(torch.load(state_dict_path, weights_only=True))
-    _, correct, count = evaluate(model, eval_batches(test_set, 1000), torch.device("cpu"), cfg)
-    return (correct / count).item()
+    loss_sum, correct, count = evaluate(model, eval_batches(test_set), torch.device("cpu"), cfg)
+    return (correct / count).item(), (loss_sum / count).item()
+
+
+def check_record_scores_the_saved_model(record: dict, state_dict_path: Path, args: list[str]) -> None:
+    """The record's last eval is that of the model --save-final wrote, scored alone here: its accuracy
+    equal, its mean loss within EVAL_LOSS_TOLERANCE (relative)."""
+    accuracy, loss = saved_model_scores(state_dict_path, args)
+    assert record["final_accuracy"] == accuracy
+    recorded = record["evals"][-1]["loss"]
+    assert abs(recorded - loss) <= EVAL_LOSS_TOLERANCE * abs(loss), (recorded, loss)
 
 
 def count_block_calls(model: torch.nn.Module, calls: dict[str, int] | None = None) -> dict[str, int]:
