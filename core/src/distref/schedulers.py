@@ -24,6 +24,7 @@ Standard library only: this sits at the bottom of core, beside config.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -123,17 +124,20 @@ def rendezvous_port(job_id: int, ephemeral_range: str = EPHEMERAL_RANGE) -> int:
     another job's gloo or NCCL connection can take it (EADDRINUSE, seen with two jobs on one node). A
     port below that range is only ever taken by a listener that asks for it: BASE_PORT + the job id mod
     1000, so two jobs on one node start apart, or where that is taken, the first free one in an order of
-    the job's own. (Not the next one up: where ports are held a while, as a finished cluster's are, in
-    TIME_WAIT, two jobs passed over the same held ones to the same free port and one of them failed.)"""
+    the job's own: the other ports of BASE_PORT's thousand first (the range a cluster's firewall may open
+    for training), then the rest. (Not the next one up: where ports are held a while, as a finished
+    cluster's are, in TIME_WAIT, two jobs passed over the same held ones to the same free port and one of
+    them failed.)"""
     try:
         low = int(Path(ephemeral_range).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default range starts here
     ports = range(1024, max(low, 1025))  # (above the ports only root may listen on)
-    first = (BASE_PORT + job_id % 1000 - ports.start) % len(ports)
-    others = random.Random(job_id).sample(range(len(ports)), len(ports))
-    for index in [first, *(i for i in others if i != first)]:
-        port = ports[index]
+    first = ports[(BASE_PORT + job_id % 1000 - ports.start) % len(ports)]
+    window = [p for p in range(BASE_PORT, BASE_PORT + 1000) if p in ports and p != first]
+    random.Random(job_id).shuffle(window)
+    rest = (p for p in ports if not BASE_PORT <= p < BASE_PORT + 1000 and p != first)
+    for port in itertools.chain([first], window, rest):
         with socket.socket() as probe:
             try:
                 probe.bind(("", port))

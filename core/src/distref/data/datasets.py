@@ -69,16 +69,17 @@ def load_cifar10(root: Path, download: bool = True):
 
 
 # Training samples of the datasets whose size is known before loading them.
-# SAME_SET_ONCE: the sets made here from a seed alone (synthetic, masked, digits) are made once per
-# process (functools.cache): nothing writes into a dataset's tensors, so runs in one process, and ranks
-# forked from a process that made the set (sharing its pages), take the same tensors.
+# SAME_SET_ONCE: the sets made here from a seed alone (synthetic, masked, digits) are kept by each
+# process, the last two of each kind (lenet's and resnet18's images; two sequence lengths): nothing
+# writes into a dataset's tensors, so runs in one process, and ranks forked from a process that made the
+# set (sharing its pages), take the same tensors.
 TRAIN_SET_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "digits": 1437}
 
 
 SYNTHETIC_TRAIN_SIZES = {"image": 8192, "gpt": 20000, "gpt2": 1024}
 
 
-@functools.cache  # (see SAME_SET_ONCE)
+@functools.lru_cache(maxsize=2)  # (see SAME_SET_ONCE)
 def load_digits_dataset():
     """scikit-learn's 8×8 digits (bundled, no network), upsampled to 28×28; fixed 80/20 split."""
     import torch.nn.functional as F
@@ -100,7 +101,7 @@ def load_digits_dataset():
     )
 
 
-@functools.cache  # (see SAME_SET_ONCE)
+@functools.lru_cache(maxsize=2)  # (see SAME_SET_ONCE)
 def synthetic_images(
     shape: tuple[int, ...],
     n_train: int = SYNTHETIC_TRAIN_SIZES["image"],
@@ -154,7 +155,7 @@ def task_sizes(sequence: int) -> dict[str, int]:
     }
 
 
-@functools.cache  # (see SAME_SET_ONCE)
+@functools.lru_cache(maxsize=2)  # (see SAME_SET_ONCE)
 def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["gpt"], n_test: int = 2000):
     """Sequence task for `gpt`: read `length` digits and a separator, then emit them reversed.
 
@@ -177,7 +178,7 @@ def synthetic_reverse(length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["gpt
 PAD = SEPARATOR + 1  # input token after a shorter string's end (its targets are IGNORE_INDEX)
 
 
-@functools.cache  # (see SAME_SET_ONCE)
+@functools.lru_cache(maxsize=2)  # (see SAME_SET_ONCE)
 def synthetic_masked(max_length: int = 8, n_train: int = SYNTHETIC_TRAIN_SIZES["gpt"], n_test: int = 2000):
     """`--dataset masked`, for `gpt`: the reversal task with strings of 1 to `max_length` digits, padded to
     one length. Only the reversed digits are scored, so a sample scores 1 to `max_length` of its

@@ -50,10 +50,11 @@ DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dat
 
 
 def file_identity(path: Path) -> tuple:
-    """What tells this file's contents from any other's without reading it: its device, inode, size and
-    modification time (a file replaced or written since has another)."""
+    """What tells this file's contents from any other's without reading it: its device, inode, size,
+    modification time and status-change time (a file replaced or written since has another; the last
+    cannot be set back, as `touch -r` sets back the modification time)."""
     stat = path.stat()
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 # Each file's md5, hashed once per process (by identity): a process that prepares the set again (runs
@@ -227,10 +228,11 @@ def read_idx(path: Path) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
-# The sets idx_dataset made in this process, by the identity of their files: nothing writes into a
-# dataset's tensors, so a process that loads a set again (runs in one process, ranks forked from one
-# that loaded it, which share its pages) takes the same tensors.
-_IDX_DATASETS: dict[tuple, tuple] = {}
+# The last set idx_dataset made in this process for each name ("mnist", "fashion-mnist"), with the identity
+# of its files: nothing writes into a dataset's tensors, so a process that loads the same files again
+# (runs in one process, ranks forked from one that loaded them, which share its pages) takes the same
+# tensors. One set a name: files of another folder, or changed, replace it.
+_IDX_DATASETS: dict[str, tuple] = {}
 
 
 def idx_dataset(raw: Path, name: str):
@@ -238,16 +240,16 @@ def idx_dataset(raw: Path, name: str):
     deviation. Those two come exactly from the histogram of the training bytes (256 counts, in float64),
     and the images are scaled in place: every rank of every run loads the set, and summing 47M floats,
     then dividing and subtracting into new tensors, was 0.4 s of CPU per load, most of a short run's.
-    Made once per process (_IDX_DATASETS)."""
+    Made once per process for the same files (_IDX_DATASETS)."""
     files = [
         raw / f"{p}-{kind}-idx{n}-ubyte"
         for p in ("train", "t10k")
         for kind, n in (("images", 3), ("labels", 1))
     ]
-    key = (name, *(file_identity(f) for f in files))
-    if key not in _IDX_DATASETS:
-        _IDX_DATASETS[key] = _idx_dataset(raw, name)
-    return _IDX_DATASETS[key]
+    identity = tuple(file_identity(f) for f in files)
+    if _IDX_DATASETS.get(name, (None,))[0] != identity:
+        _IDX_DATASETS[name] = (identity, _idx_dataset(raw, name))
+    return _IDX_DATASETS[name][1]
 
 
 def _idx_dataset(raw: Path, name: str):
