@@ -200,25 +200,25 @@ def test_a_job_s_result_can_be_asked_for_again_and_a_killed_job_ends(tmp_path):
 
 def test_forked_ranks_take_the_suite_s_data_sets_made_by_the_fork_server(tmp_path):
     """distref.testing.preloaded_data makes the suite's sets in the fork server (a failure there is
-    silent, so it is checked here): a rank loading lenet's synthetic set does not make it again, and no
-    run began in the server (a rank's record counts its start-up from its own parse)."""
+    silent, so it is checked here): a rank loading lenet's synthetic set or MNIST does not make it again,
+    and no run began in the server (a rank's record counts its start-up from its own parse)."""
     script = tmp_path / "load.py"
     script.write_text(
         "from distref.cli import parse_config\n"
         "from distref.config import PARSE_TIMES\n"
-        "from distref.data import load_dataset, datasets\n"
-        "parsed = len(PARSE_TIMES)\n"
+        "from distref.data import load_dataset, datasets, mnist\n"
+        "from distref.testing import DATA_ROOT\n"
+        "parsed, made = len(PARSE_TIMES), mnist._IDX_DATASETS['mnist'][1]\n"
         "load_dataset(parse_config(['--model', 'lenet', '--dataset', 'synthetic'], 'x'))\n"
-        "print(parsed, datasets.synthetic_images.cache_info().misses)\n"
+        "mine = load_dataset(parse_config(['--dataset', 'mnist', '--data-root', str(DATA_ROOT)], 'x'))\n"
+        "print(parsed, datasets.synthetic_images.cache_info().misses, mine[0].x is made[0].x)\n"
     )
     result = run_ranks(1, str(script), [], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[0] == "0 1", result.stdout  # (its one miss was the server's)
+    assert result.stdout.split("\n")[0] == "0 1 True", result.stdout  # (its one miss was the server's)
 
 
-def test_the_preload_makes_mnist_where_it_is_prepared_and_never_stops_the_fork_server(
-    mnist_root, monkeypatch
-):
+def test_the_preload_makes_mnist_and_never_stops_the_fork_server(mnist_root, monkeypatch):
     """In this process: after the preload, MNIST's set of these files is made, and no run was begun; a
     refusal of parse_config's (SystemExit) or any error while making the sets leaves the import whole."""
     import importlib
