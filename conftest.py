@@ -1,9 +1,7 @@
 """Fixtures and hooks for core/tests and every impls/<x>/tests; the helpers tests import live in
 `distref.testing`."""
 
-import fcntl
 import gc
-import hashlib
 import json
 import os
 
@@ -28,6 +26,7 @@ from distref.testing import (
     expected_behaviour,
     fault_table,
     load_train_module,
+    made_once,
     parity_args,
 )
 from distref.testing.timing import (
@@ -141,7 +140,6 @@ def single_reference(tmp_path_factory, single_train):
     from distref.data.mnist import prepare_mnist
 
     cache: dict[tuple, dict[str, torch.Tensor]] = {}
-    shared = shared_folder(tmp_path_factory, "single-references")
 
     def train(key: tuple, path: Path) -> None:
         model, grad_accum, extra = key
@@ -155,29 +153,8 @@ def single_reference(tmp_path_factory, single_train):
         """single's final state_dict on `model`'s parity workload, with --grad-accum and `extra` options."""
         key = (model, grad_accum, tuple(extra))
         if key not in cache:
-            if shared is None:
-                path = tmp_path_factory.mktemp("single") / "final.pt"
-                train(key, path)
-            else:
-                path = shared / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:20]}.pt"
-                with open(path.with_suffix(".lock"), "w") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
-                    if not path.exists():
-                        written = tmp_path_factory.mktemp("single") / "final.pt"
-                        train(key, written)
-                        os.replace(written, path)
+            path = made_once(tmp_path_factory, "single-references", key, lambda path: train(key, path))
             cache[key] = torch.load(path, weights_only=True)
         return cache[key]
 
     return reference
-
-
-def shared_folder(tmp_path_factory, name: str) -> Path | None:
-    """A folder every pytest-xdist worker of this run shares (beside their own temporary folders), or
-    None outside xdist."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        return None
-    folder = tmp_path_factory.getbasetemp().parent / f"{name}-{run}"
-    folder.mkdir(exist_ok=True)
-    return folder

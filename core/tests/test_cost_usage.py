@@ -47,6 +47,28 @@ def test_the_meta_step_finds_the_gradients_in_the_order_a_real_backward_produces
     assert produced != [name for name, _ in real.named_parameters()][::-1]  # (what the formulas assumed)
 
 
+def test_a_process_traces_this_project_s_models_once_and_yours_every_time(monkeypatch):
+    """lenet's Usage is traced once per process (its arguments alone build it), and again where
+    torch.nn.functional.linear was replaced; a model of yours is traced at each call: its function may
+    build another model the next time."""
+    from distref.cost import usage as usage_module
+
+    traced: list[str] = []
+    real_trace = usage_module.traced_usage
+    monkeypatch.setattr(
+        usage_module, "traced_usage", lambda *a, **k: traced.append("x") or real_trace(*a, **k)
+    )
+    info = DatasetInfo("synthetic-for-the-cache-test", 10, (1, 28, 28), "image")  # (a key no other test uses)
+    first, again = (model_usage("lenet", info, gpt_layers=2) for _ in range(2))
+    assert again is first and len(traced) == 1
+    mine = [model_usage("distref.testing.own:example_mlp", EXAMPLE, gpt_layers=2) for _ in range(2)]
+    assert mine[0] == mine[1] and mine[0] is not mine[1] and len(traced) == 3
+    # torch's linear replaced (DeepSpeed's ZeRO-3 does, for good): traced again, with the new one
+    torch_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *args: torch_linear(*args))
+    assert model_usage("lenet", info, gpt_layers=2) == first and len(traced) == 4
+
+
 def test_frozen_unused_and_never_called_parameters_are_told_apart():
     usage = model_usage("distref.testing.partly_trained:mlp", EXAMPLE, gpt_layers=2)
     assert set(usage.gradient_order) == {

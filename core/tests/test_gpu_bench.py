@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from distref.testing import forked_subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -286,6 +288,7 @@ def test_rehearsed_on_cpu_the_table_has_numbers(bench, tmp_path, monkeypatch):
     """--device cpu: the bare loop, single and ddp ×1 (torchrun), the tiny gpt, eager and compiled (with
     dynamo and AOTAutograd but not inductor's code generation: seconds, not minutes), end to end."""
     monkeypatch.setenv("DISTREF_COMPILE_BACKEND", "aot_eager")  # (the runs inherit it)
+    monkeypatch.setattr(bench, "subprocess", forked_subprocess())  # (its runs forked: no torch import)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (each run sets its own threads: one)
     out = tmp_path / "bench"
     argv = ["--device", "cpu", "--quick", "--steps", "8", "--warmup", "3", "--impls", "single,ddp"]

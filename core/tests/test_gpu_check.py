@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from distref.testing import forked_subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -128,8 +130,9 @@ def test_the_table_reads_each_record_and_the_gpu_tests_junit(gpu_check, tmp_path
 
 
 @pytest.mark.slow
-def test_rehearsed_on_cpu_it_runs_records_and_compares_with_single(gpu_check, tmp_path):
+def test_rehearsed_on_cpu_it_runs_records_and_compares_with_single(gpu_check, tmp_path, monkeypatch):
     """--device cpu: the plan's own commands, on gloo, for single and ddp ×1 (fp32) and the profiler."""
+    monkeypatch.setattr(gpu_check, "subprocess", forked_subprocess())  # (its runs forked: no torch import)
     out = tmp_path / "check"
     only = ["--only", "single ×1 gpt fp32", "--only", "ddp ×1 gpt fp32", "--only", "ddp ×1 profiler"]
     code = gpu_check.main(["--device", "cpu", "--steps", "3", "--out", str(out), *only])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -19,7 +20,7 @@ from distref.data.order import ahead_on
 from distref.models import build_model
 from distref.parity_metric import max_relative_difference
 from distref.testing.own import COUNT_VARIABLE, EXAMPLE_DATASET
-from distref.testing.runs import launch, run_script, train_path
+from distref.testing.runs import launch, made_once, run_script, train_path
 from distref.testing.workloads import PARITY_TOLERANCE
 from distref.training import bookkeeping, optim
 from distref.training.bookkeeping import StepClock
@@ -224,20 +225,23 @@ COMPOSES = {
 FAST_BACKEND = {"DISTREF_COMPILE_BACKEND": "aot_eager"}  # dynamo + AOTAutograd: composition, in seconds
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_compiled(tmp_path_factory):
     """single's final parameters on COMPILED, compiled with the backend that `backend` (an environment)
-    chooses: run once per backend in a worker, for every test that compares with it."""
+    chooses: run once per backend for the whole run (distref.testing.made_once), for every test that
+    compares with it."""
     finals: dict[tuple, dict] = {}
+
+    def train(out: Path, backend: dict) -> None:
+        args = [*COMPILED, "--compile", "--save-final", str(out)]
+        result = launch(1, "single", args, timeout=600, env=backend)  # (forked: torch imported once)
+        assert result.returncode == 0, result.stderr[-2000:]
 
     def final(backend: dict) -> dict:
         key = tuple(sorted(backend.items()))
         if key not in finals:
-            out = tmp_path_factory.mktemp("single") / "final.pt"
-            args = [*COMPILED, "--compile", "--save-final", str(out)]
-            result = launch(1, "single", args, timeout=600, env=backend)  # (forked: torch imported once)
-            assert result.returncode == 0, result.stderr[-2000:]
-            finals[key] = torch.load(out, weights_only=True)
+            made = made_once(tmp_path_factory, "single-compiled", key, lambda out: train(out, backend))
+            finals[key] = torch.load(made, weights_only=True)
         return finals[key]
 
     return final

@@ -21,7 +21,14 @@ import torch
 from distref.config import RunConfig
 from distref.data import own_dataset
 from distref.models import BlockModel, build_model
-from distref.testing import count_block_calls, load_train_module, run_ranks, run_script, train_path
+from distref.testing import (
+    count_block_calls,
+    load_train_module,
+    run_forked,
+    run_ranks,
+    run_script,
+    train_path,
+)
 from distref.your_model import cut_problem, own_code_problem
 
 MINE = textwrap.dedent('''
@@ -872,7 +879,7 @@ def test_a_model_that_cannot_be_built_on_the_meta_device_is_checked_for_real(pro
     """The contract is checked on the meta device first (no memory, no compute); a constructor that needs
     values (`.item()`) fails there, and is then built and checked for real, where it trains."""
     args = ["--model", "mine:built_from_values", "--dataset", "mine:data", "--steps", "2"]
-    result = run_script([sys.executable, str(train_path("single")), *args], cwd=project)
+    result = run_forked([sys.executable, str(train_path("single")), *args], cwd=project)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -885,7 +892,7 @@ def test_a_model_deepcopy_refuses_is_built_again_for_fsdp_s_evaluation_copy(mode
 
 def test_a_plan_of_yours_built_only_for_real_is_checked_for_tensor_parallelism(project):
     args = ["--model", "mine:planned_from_values", "--dataset", "mine:data", "--check-ranks", "2"]
-    result = run_script([sys.executable, str(train_path("tensor_parallel")), *args], cwd=project)
+    result = run_forked([sys.executable, str(train_path("tensor_parallel")), *args], cwd=project)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
@@ -893,7 +900,7 @@ def test_a_model_whose_first_loss_is_nan_is_not_told_to_lower_the_lr(project):
     """Checked on the meta device, nothing has a value: the first step says it (its loss comes from the
     initial parameters, before any update), not 'training diverged; lower --lr'."""
     args = ["--model", "mine:nan_out", "--dataset", "mine:data", "--steps", "3", "--log-every", "1"]
-    result = run_script([sys.executable, str(train_path("single")), *args], cwd=project)
+    result = run_forked([sys.executable, str(train_path("single")), *args], cwd=project)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "the loss is nan at step 1" in lines[0] and "from its initial parameters" in lines[0]

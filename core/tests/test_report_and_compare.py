@@ -1,5 +1,6 @@
 """The comparison runner and report: built from small real runs, refusing to mix workloads."""
 
+import contextlib
 import html.parser
 import json
 import re
@@ -17,7 +18,7 @@ from distref import impl_version
 from distref.config import RunConfig
 from distref.record import RunRecord, load_record
 from distref.report import build_report
-from distref.testing import ROOT, run_script
+from distref.testing import ROOT, forked_subprocess, run_script
 
 WORKLOAD = [
     "--model",
@@ -61,31 +62,26 @@ def assert_valid_png(path: Path) -> None:
 def compared(tmp_path_factory, worker_id):
     """`python -m distref.compare --impls ddp` (2 ranks): runs single too, a few steps each. Once per test
     session, not once per xdist worker (the tests using it land on both): the folder above the workers'
-    temporary folders is the session's, and the lock makes the second worker wait for the first's run."""
+    temporary folders is the session's, and the lock makes the second worker wait for the first's run.
+    In this process, its runs forked (distref.testing.forked_subprocess: ranks that do not import torch
+    again); compare's command line and its real processes: test_a_run_that_dies_before_its_record_...."""
+    from distref import compare, parity
+
     shared = tmp_path_factory.getbasetemp()
     shared = shared.parent if worker_id != "master" else shared
     out, stdout = shared / "compare", shared / "compare.stdout"
     with FileLock(shared / "compare.lock"):
         if not stdout.exists():
-            result = run_script(
-                [
-                    sys.executable,
-                    "-m",
-                    "distref.compare",
-                    "--impls",
-                    "ddp",  # single, the reference, is added by compare itself
-                    "--world-size",
-                    "2",
-                    "--impls-dir",
-                    str(ROOT / "impls"),
-                    *WORKLOAD,
-                    "--out",
-                    str(out),
-                ],
-                timeout=600,
-            )
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            stdout.write_text(result.stdout)
+            argv = ["--impls", "ddp", "--world-size", "2", "--impls-dir", str(ROOT / "impls")]  # (+ single)
+            with (
+                pytest.MonkeyPatch.context() as patch,
+                open(shared / "compare.partial", "w") as printed,
+                contextlib.redirect_stdout(printed),
+            ):
+                for tool in (compare, parity):
+                    patch.setattr(tool, "subprocess", forked_subprocess())
+                compare.main([*argv, *WORKLOAD, "--out", str(out)])  # (a failure: SystemExit, the test's)
+            (shared / "compare.partial").rename(stdout)
     return out, stdout.read_text()
 
 
@@ -866,9 +862,11 @@ def test_on_one_gpu_compare_runs_what_fits_and_reports_pipeline_as_not_run(tmp_p
     """`nox -s compare-gpu` on one GPU (faked: the runs themselves train on this CPU): ddp runs at world size
     1, pipeline is listed as not run with why, on stdout and in the report, and compare exits 0. With
     pipeline alone asked for, nothing can run: one line and exit 1, before anything starts."""
-    from distref import compare
+    from distref import compare, parity
 
     monkeypatch.setattr(compare, "cuda_gpus", lambda: (1, "1 × a GPU"))
+    for tool in (compare, parity):  # (its runs forked from the fork server: no interpreter to start)
+        monkeypatch.setattr(tool, "subprocess", forked_subprocess())
     workload = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--eval-every", "2"]
     workload += ["--optimizer", "sgd", "--lr", "0.01", "--global-batch-size", "32"]
     why = "needs 2 GPUs, 1 visible (1 rank: 1 ranks with --dp 1 leave 1 rank per pipeline: a pipeline needs 2 or more)"

@@ -3,6 +3,7 @@ would, report a failed job as failed, stop the rest of a job when one rank fails
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -201,21 +202,28 @@ def test_a_job_s_result_can_be_asked_for_again_and_a_killed_job_ends(tmp_path):
 def test_forked_ranks_take_the_suite_s_data_sets_made_by_the_fork_server(tmp_path):
     """distref.testing.preloaded_data makes the suite's sets in the fork server (a failure there is
     silent, so it is checked here): a rank loading lenet's synthetic set or MNIST does not make it again,
-    and no run began in the server (a rank's record counts its start-up from its own parse)."""
+    nor traces gpt on meta again, and no run began in the server (a rank's record counts its start-up
+    from its own parse); torchvision is imported there too."""
     script = tmp_path / "load.py"
     script.write_text(
+        "import sys\n"
         "from distref.cli import parse_config\n"
         "from distref.config import PARSE_TIMES\n"
+        "from distref.cost import usage\n"
         "from distref.data import load_dataset, datasets, mnist\n"
         "from distref.testing import DATA_ROOT\n"
         "parsed, made = len(PARSE_TIMES), mnist._IDX_DATASETS['mnist'][1]\n"
         "load_dataset(parse_config(['--model', 'lenet', '--dataset', 'synthetic'], 'x'))\n"
         "mine = load_dataset(parse_config(['--dataset', 'mnist', '--data-root', str(DATA_ROOT)], 'x'))\n"
-        "print(parsed, datasets.synthetic_images.cache_info().misses, mine[0].x is made[0].x)\n"
+        "gpt = parse_config(['--model', 'gpt', '--dataset', 'synthetic'], 'x')\n"
+        "usage.model_usage(gpt.model, load_dataset(gpt)[2], gpt.gpt_layers, gpt.moe)\n"
+        "print(parsed, datasets.synthetic_images.cache_info().misses, mine[0].x is made[0].x,\n"
+        "      usage._own_model_usage.cache_info().hits, 'torchvision' in sys.modules)\n"
     )
     result = run_ranks(1, str(script), [], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[0] == "0 1 True", result.stdout  # (its one miss was the server's)
+    # (its one miss was the server's; gpt's usage was traced there: a hit here)
+    assert result.stdout.split("\n")[0] == "0 1 True 1 True", result.stdout
 
 
 def test_the_preload_makes_mnist_and_never_stops_the_fork_server(mnist_root, monkeypatch):
@@ -258,3 +266,95 @@ def test_the_record_s_eval_is_checked_by_its_loss_too(tmp_path):
     record["evals"][-1]["loss"] = loss * (1 + 1e-3)
     with pytest.raises(AssertionError):
         check_record_scores_the_saved_model(record, tmp_path / "final.pt", args)
+
+
+# What the stand-ins fork: a tool's command lines, each as the process it names would run it.
+SHOWS_ITSELF = """\
+import os, sys
+print(sys.argv[1:], os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), sys.path[0] == os.path.dirname(__file__))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+"""
+
+
+def test_a_tool_s_command_lines_run_forked_as_the_processes_they_name(tmp_path):
+    """`python FILE` (its exit code, its folder first on sys.path, no rank variables), `python -m MODULE`,
+    torchrun's --standalone --nproc-per-node N and a train.py's own --nproc-per-node N (N ranks, the
+    launch option not theirs); anything else is not forked."""
+    from distref.testing import forked_command
+
+    script = tmp_path / "train.py"
+    script.write_text(SHOWS_ITSELF)
+    python = sys.executable
+    alone = forked_command([python, str(script), "a"], env={**os.environ, "EXIT_WITH": "3"}).wait(60)
+    assert (alone.returncode, alone.stdout, alone.stderr) == (3, "['a'] None None True\n", "to stderr\n")
+    (tmp_path / "data.json").write_text('{"b": [1]}')
+    module = forked_command([python, "-m", "json.tool", "--compact", "data.json"], cwd=tmp_path).wait(60)
+    assert (module.returncode, module.stdout) == (0, '{"b":[1]}\n')
+    torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "b"]
+    launched = [python, str(script), "--nproc-per-node", "2", "b"]
+    for command in (torchrun, launched):
+        ranks = forked_command(command).wait(60)
+        assert ranks.returncode == 0 and sorted(ranks.stdout.splitlines()) == [
+            "['b'] 0 2 True",
+            "['b'] 1 2 True",
+        ]
+    for command in ([python, "-c", "print(1)"], [*torchrun[:3], "--max-restarts=1", *torchrun[3:]], ["ls"]):
+        assert forked_command(command) is None
+
+
+def test_the_subprocess_stand_in_gives_the_output_where_the_tool_asked(tmp_path):
+    """forked_subprocess's Popen and run: stdout and stderr to a log (stderr=STDOUT), to a pipe the tool
+    reads, captured; a command it does not fork runs as subprocess would run it."""
+    from distref.testing import forked_subprocess
+
+    stand_in, script = forked_subprocess(), tmp_path / "say.py"
+    script.write_text(SHOWS_ITSELF)
+    command = [sys.executable, str(script)]
+    with open(tmp_path / "log", "w") as log:
+        process = stand_in.Popen(command, stdout=log, stderr=stand_in.STDOUT)
+        assert process.wait(timeout=60) == 0 and process.returncode == 0 and process.poll() == 0
+    assert (tmp_path / "log").read_text() == "[] None None True\nto stderr\n"
+    piped = stand_in.Popen(command, stdout=stand_in.PIPE, stderr=stand_in.STDOUT)
+    assert piped.wait() == 0 and piped.stdout.read() == b"[] None None True\nto stderr\n"
+    with open(tmp_path / "log", "wb") as log:  # (a log opened for bytes)
+        assert stand_in.run(command, stdout=log, stderr=stand_in.STDOUT, timeout=60).returncode == 0
+    assert (tmp_path / "log").read_bytes() == b"[] None None True\nto stderr\n"
+    captured = stand_in.run(command, capture_output=True, text=True)
+    assert (captured.stdout, captured.stderr) == ("[] None None True\n", "to stderr\n")
+    real = stand_in.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    assert real.returncode == 0 and int(real.stdout) != os.getpid()
+    assert stand_in.TimeoutExpired is subprocess.TimeoutExpired
+
+
+def test_what_every_worker_asks_for_is_made_once_per_run(tmp_path_factory, monkeypatch):
+    """made_once (single's oracles, compiled single): under pytest-xdist, the worker that asks first makes
+    the file and the others, asking meanwhile, wait for it and take it; another key, another file."""
+    import threading
+
+    from distref.testing import made_once
+
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"made-once-{os.getpid()}-{time.time_ns()}")
+    made: list[tuple] = []
+
+    def make(key: tuple, path: Path) -> None:
+        made.append(key)
+        time.sleep(0.3)  # (the other workers ask meanwhile)
+        path.write_text(repr(key))
+
+    paths: list[Path] = []
+    workers = [
+        threading.Thread(
+            target=lambda: paths.append(
+                made_once(tmp_path_factory, "t", ("a", 1), lambda p: make(("a", 1), p))
+            )
+        )
+        for _ in range(3)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    other = made_once(tmp_path_factory, "t", ("b", 1), lambda p: make(("b", 1), p))
+    assert made == [("a", 1), ("b", 1)] and len(set(paths)) == 1 and other != paths[0]
+    assert paths[0].read_text() == "('a', 1)" and other.read_text() == "('b', 1)"

@@ -6,6 +6,7 @@ test_parity_with_single_on_your_model gives the same proof on yours (distref.tes
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -27,9 +28,11 @@ from distref.testing import (
     max_relative_difference,
     mnist_convergence_args,
     parity_args,
+    run_forked,
     score_saved_model,
     self_launched,
     skip_where_torchvision_cannot_serve,
+    train_path,
 )
 from distref.testing.cost import PARTLY_TRAINED_RUN, check_partly_trained_predicted
 from distref.testing.own import check_parity_on_your_model
@@ -44,14 +47,9 @@ def python_train(args: list[str], timeout: float = 300):
 
 
 def run_mp(args: list[str], timeout: float = 300):
-    """`python train.py --nproc-per-node N ARGS`, run as the N ranks it starts (conftest.launch: the
-    launch itself has tests of its own); a one-process form (--devices) as it is."""
-    if "--nproc-per-node" in args:
-        at = args.index("--nproc-per-node")
-        nproc, rest = int(args[at + 1]), args[:at] + args[at + 2 :]
-        result = launch(nproc, "model_parallel", [*TIMEOUT, *rest], timeout=timeout)
-    else:
-        result = python_train(args, timeout)
+    """`python train.py ARGS`, forked (distref.testing.run_forked: the launch itself has tests of its
+    own): with `--nproc-per-node N`, the N ranks it starts; the one-process form (--devices), its process."""
+    result = run_forked([sys.executable, str(train_path("model_parallel")), *TIMEOUT, *args], timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -211,9 +209,9 @@ ELASTIC = [
     "--lr",
     "0.01",
     "--steps",
-    "300",
+    "100",
 ]
-ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume", "auto", *TIMEOUT]
+ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "20", "--resume", "auto", *TIMEOUT]
 
 
 @pytest.mark.slow
@@ -221,7 +219,7 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*ELASTIC[:10], "--global-batch-size", "32"]  # the same workload; parts sum as single does
-    check_killed_rank_resumes_exactly("model_parallel", ELASTIC, 300, tmp_path, single)
+    check_killed_rank_resumes_exactly("model_parallel", ELASTIC, 100, tmp_path, single)
 
 
 @pytest.mark.slow

@@ -419,11 +419,11 @@ ELASTIC = [
     "--lr",
     "0.01",
     "--steps",
-    "300",
+    "100",
     "--schedule",
     "zbv",  # both ranks hold two stages; rank 0 the first and the last
 ]
-ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume", "auto", *TIMEOUT]
+ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "20", "--resume", "auto", *TIMEOUT]
 
 
 @pytest.mark.slow
@@ -431,7 +431,7 @@ ELASTIC += ["--global-batch-size", "32", "--checkpoint-every", "50", "--resume",
 def test_killed_rank_restarts_from_checkpoint_with_the_same_result(tmp_path):
     """A SIGKILLed rank under --max-restarts 1: the job resumes from its last checkpoint and ends bit-identical to an uninterrupted run."""
     single = [*ELASTIC[:10], "--global-batch-size", "32", "--grad-accum", "4"]  # M = 4 micro-batches
-    check_killed_rank_resumes_exactly("pipeline", ELASTIC, 300, tmp_path, single)
+    check_killed_rank_resumes_exactly("pipeline", ELASTIC, 100, tmp_path, single)
 
 
 @pytest.mark.slow

@@ -17,12 +17,13 @@ one a real backward takes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 from torch import nn
 
-from distref.config import MoEConfig
+from distref.config import MoEConfig, is_factory
 from distref.models import build_model, on_meta
 
 
@@ -153,6 +154,23 @@ def model_usage(model_name: str, info, gpt_layers: int, moe: MoEConfig | None = 
     """The Usage of the model a run builds (`--model`, on `info`: distref.data.DatasetInfo; `moe`:
     RunConfig.moe); `unknown`
     says why where it cannot be found: a model of yours whose forward does not run on the meta device."""
+    if is_factory(model_name):  # your MODULE:FUNCTION: traced every time (its code may change what it builds)
+        return _traced_model_usage(model_name, info, gpt_layers, moe)
+    return _own_model_usage(model_name, info, gpt_layers, moe, torch.nn.functional.linear)
+
+
+# This project's models are built from their arguments alone, so a process traces each once: a gpt's step on
+# meta is 40 ms of CPU, paid by every rank of every run, and a test suite's fork server traces its
+# workloads' before it forks the ranks (distref.testing.preloaded_data). Usage is immutable. Keyed by
+# torch.nn.functional.linear too: DeepSpeed's ZeRO-3 replaces it for good (mem_efficient_linear), and its
+# backward gives a linear layer's weight gradient before its bias's (torch's: the bias's first), an order
+# its reduce buckets follow.
+@functools.lru_cache(maxsize=8)
+def _own_model_usage(model_name: str, info, gpt_layers: int, moe: MoEConfig | None, _linear) -> Usage:
+    return _traced_model_usage(model_name, info, gpt_layers, moe)
+
+
+def _traced_model_usage(model_name: str, info, gpt_layers: int, moe: MoEConfig | None) -> Usage:
     try:
         model = on_meta(lambda: build_model(model_name, info, gpt_layers, moe=moe))
         return traced_usage(model, tuple(info.input_shape), tokens=info.kind == "sequence")

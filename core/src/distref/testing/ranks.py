@@ -12,6 +12,7 @@ no restarts and no failure report, so tests of those (killed ranks, launch optio
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -75,16 +76,21 @@ def _rank_main(
     cwd: str,
     out: str,
     err: str,
+    rank_variables: bool = True,
+    module: bool = False,
 ) -> None:
-    """One rank, in a fresh fork of the fork server: `python train_file *argv` as torchrun would start it."""
+    """One rank, in a fresh fork of the fork server: `python train_file *argv` as torchrun would start it
+    (without `rank_variables`: as `python` would; `module`: `python -m train_file`)."""
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):  # every rank appends to the job's two files, as under torchrun
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own stdout)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
-    os.environ.update({**env, "RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
-    os.environ.update({"GROUP_RANK": "0", "ROLE_RANK": str(local_rank)})
+    os.environ.update(env)
+    if rank_variables:
+        os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
+        os.environ.update({"GROUP_RANK": "0", "ROLE_RANK": str(local_rank)})
     sys.argv = [train_file, *argv]
     # A fresh interpreter seeds numpy's global generator from the OS; a fork inherits the fork server's
     # (numpy is preloaded with scikit-learn), and every rank would draw the same "unseeded" numbers,
@@ -93,7 +99,12 @@ def _rank_main(
         sys.modules["numpy"].random.seed()
     code = 0
     try:
-        runpy.run_path(train_file, run_name="__main__")
+        # what `python FILE` and `python -m MODULE` put first on sys.path: the file's folder, the cwd
+        sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(train_file)))
+        if module:
+            runpy.run_module(train_file, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(train_file, run_name="__main__")
     except SystemExit as exc:  # what the interpreter does with it
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -103,8 +114,9 @@ def _rank_main(
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError):  # (a script may close its stdout, as `json.tool` does)
+            stream.flush()
     os._exit(
         code
     )  # a train.py ends its ranks this way too (distref.distributed.exit_without_interpreter_teardown)
@@ -114,8 +126,11 @@ class RankJob:
     """Ranks `start_ranks` started and has not waited for: their pids (rank i's is `pids[i]`), to stop or
     kill one as a fault test does, and `wait`, which returns what `run_ranks` returns."""
 
-    def __init__(self, context, store, tmp: tempfile.TemporaryDirectory, argv: list[str]):
+    def __init__(
+        self, context, store, tmp: tempfile.TemporaryDirectory, argv: list[str], plain: bool = False
+    ):
         self._context, self._store, self._tmp, self._argv = context, store, tmp, argv
+        self._plain = plain  # one process as `python` runs it: its own exit code, no launcher's report
         self._result: subprocess.CompletedProcess | None = None
         self.pids: list[int] = [process.pid for process in context.processes]
 
@@ -151,8 +166,11 @@ class RankJob:
                     self._close()
                     raise subprocess.TimeoutExpired(self._argv, timeout)
         except ProcessException as exc:  # (exited, or raised before train.py ran)
-            returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
-            failure = f"run_ranks: the job failed: rank {exc.error_index} ({exc})\n"
+            if self._plain:
+                returncode = getattr(exc, "exit_code", None) or 1
+            else:
+                returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
+                failure = f"run_ranks: the job failed: rank {exc.error_index} ({exc})\n"
         out, err = (os.path.join(self._tmp.name, name) for name in ("stdout", "stderr"))
         with open(out) as stdout, open(err) as stderr:
             self._result = subprocess.CompletedProcess(
@@ -207,6 +225,33 @@ def start_ranks(
         start_method="forkserver",
     )
     return RankJob(context, store, tmp, [train_file, *argv])
+
+
+def start_process(
+    script: str,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    module: bool = False,
+) -> RankJob:
+    """Start `python script argv` (`module`: `python -m script argv`) as one process forked from the fork
+    server, without torchrun's variables: a one-process command of a tool under test, which would
+    otherwise spend ~2 s of CPU importing torch. Its job: `wait` returns what subprocess.run would."""
+    note_started_processes()
+    tmp = tempfile.TemporaryDirectory()
+    out, err = os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")
+    open(out, "w").close()
+    open(err, "w").close()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preloaded())
+    env = dict(os.environ if env is None else env)
+    context = torch.multiprocessing.start_processes(
+        _rank_main,
+        args=(script, list(argv), env, os.fspath(cwd or os.getcwd()), out, err, False, module),
+        nprocs=1,
+        join=False,
+        start_method="forkserver",
+    )
+    return RankJob(context, None, tmp, [script, *argv], plain=True)
 
 
 def run_ranks(

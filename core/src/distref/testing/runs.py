@@ -4,13 +4,19 @@ that imported torch once, or through torchrun), in this repository or in a proje
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
+import types
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from distref.testing.ranks import RankJob, start_ranks
+from distref.distributed.launch import without_launch_options
+from distref.testing.ranks import RankJob, start_process, start_ranks
 from distref.testing.timing import note_started_processes
 
 # The repository (or exported project) root: the folder of the conftest.py above this package; where the
@@ -37,11 +43,50 @@ def load_train_module(impl: str):
     return module
 
 
+def shared_folder(tmp_path_factory, name: str) -> Path | None:
+    """A folder every pytest-xdist worker of this run shares (beside their own temporary folders), or
+    None outside xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return None
+    folder = tmp_path_factory.getbasetemp().parent / f"{name}-{run}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def made_once(tmp_path_factory, name: str, key: tuple, make: Callable[[Path], object]) -> Path:
+    """The file `make(path)` writes for `key`, made once for the whole run: under pytest-xdist by whichever
+    worker asks first (the others wait for its file, in a folder they share), else in this process."""
+    shared = shared_folder(tmp_path_factory, name)
+    if shared is None:
+        path = tmp_path_factory.mktemp(name) / "made"
+        make(path)
+        return path
+    path = shared / hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        if not path.exists():
+            written = tmp_path_factory.mktemp(name) / "made"
+            make(written)
+            os.replace(written, path)
+    return path
+
+
 def run_script(args: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = ROOT):
     """Run a command with one thread per process (as every rank would) and return the CompletedProcess."""
     note_started_processes()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+
+
+def run_forked(args: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = ROOT):
+    """run_script's result for `args` (`python FILE ARGS`, `python -m MODULE ARGS`, `python train.py
+    --nproc-per-node N ARGS`), run forked from the fork server (forked_command): what the process does,
+    without its ~2 s of CPU importing torch; a test of the command line itself, or of its launcher, uses
+    run_script."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    job = forked_command(args, full_env, cwd)
+    return run_script(args, env, timeout, cwd) if job is None else job.wait(timeout)
 
 
 def self_launched(impl: str, args: list[str], timeout: float = 300):
@@ -70,3 +115,119 @@ def start(nproc: int, impl: str, args: list[str], env: dict | None = None, resta
 def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return run_script([*cmd, str(train_path(impl)), *args], **kwargs)
+
+
+def _torchrun_ranks(options: Sequence[str]) -> tuple[int, int] | None:
+    """(ranks, index of the script) of `torchrun OPTIONS FILE ARGS` when its options are only --standalone
+    and --nproc-per-node (the ones forked_command emulates); else None."""
+    nproc, i = None, 0
+    while i < len(options) and options[i].startswith("-"):
+        name, equals, value = options[i].partition("=")
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            nproc = int(value if equals else options[i + 1])
+            i += 1 if equals else 2
+        elif options[i] == "--standalone":
+            i += 1
+        else:
+            return None
+    return (nproc, i) if nproc is not None and i < len(options) else None
+
+
+def _self_launched_ranks(args: Sequence[str]) -> int | None:
+    """N of `python train.py ARGS --nproc-per-node N` (or `--nproc-per-node=N`): the ranks it starts."""
+    for i, token in enumerate(args):
+        name, equals, value = token.partition("=")
+        if name == "--nproc-per-node":
+            return int(value if equals else args[i + 1])
+    return None
+
+
+def forked_command(
+    command: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None
+) -> RankJob | None:
+    """Start what `command` would, forked from the fork server as `launch` forks ranks, where it is a
+    command line of this Python that a tool under test runs (compare, the GPU check and benchmark):
+    `python FILE ARGS` (an impl's train.py given `--nproc-per-node N`: the N ranks its launcher would
+    start), `python -m MODULE ARGS`, and `python -m torch.distributed.run [--standalone] --nproc-per-node N
+    FILE ARGS`. None for any other command, which the caller runs as it is. The launchers' own code does
+    not run (their tests run the real thing); the ranks' and the scripts' does."""
+    command = [os.fspath(token) for token in command]
+    if len(command) < 2 or command[0] != sys.executable:
+        return None
+    env = dict(os.environ if env is None else env)  # (subprocess's meaning of env)
+    if command[1:3] == ["-m", "torch.distributed.run"]:
+        if (torchrun := _torchrun_ranks(command[3:])) is None:
+            return None
+        nproc, script = torchrun
+        return start_ranks(nproc, command[3 + script], command[4 + script :], env=env, cwd=cwd)
+    if command[1] == "-m" and len(command) > 2:
+        return start_process(command[2], command[3:], env=env, cwd=cwd, module=True)
+    if command[1].endswith(".py"):
+        script, args = command[1], command[2:]
+        if (nproc := _self_launched_ranks(args)) is not None and Path(script).name == "train.py":
+            return start_ranks(nproc, script, without_launch_options(args), env=env, cwd=cwd)
+        return start_process(script, args, env=env, cwd=cwd)
+    return None
+
+
+def _write(target, text: str) -> None:
+    """`text` to a file object opened as text or as bytes (None, DEVNULL: nowhere)."""
+    if hasattr(target, "write"):
+        target.write(text if isinstance(target, io.TextIOBase) else text.encode())
+        target.flush()
+
+
+class _ForkedPopen:
+    """subprocess.Popen's part the tools use (`wait`, `poll`, `returncode`, `pid`, `stdout` when PIPE),
+    for a forked job: its output is written, when it ends, where Popen's `stdout` and `stderr` say."""
+
+    def __init__(self, job: RankJob, args: Sequence[str], stdout, stderr):
+        self._job, self.args, self._out, self._err = job, list(args), stdout, stderr
+        self.pid, self.returncode, self.stdout = job.pids[0], None, None
+        if stdout == subprocess.PIPE:  # (read as the job's output comes: at its end, here)
+            read_end, self._pipe = os.pipe()
+            self.stdout = open(read_end, "rb")  # noqa: SIM115 (the caller reads and closes it)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            result = self._job.wait(3600 if timeout is None else timeout)  # (TimeoutExpired: killed)
+            merged = self._err == subprocess.STDOUT
+            if self.stdout is not None:
+                os.write(self._pipe, (result.stdout + (result.stderr if merged else "")).encode())
+                os.close(self._pipe)
+            else:
+                _write(self._out, result.stdout)
+                _write(self._out if merged else self._err, result.stderr)
+            self.returncode = result.returncode
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return None if self._job.running() and self.returncode is None else self.wait()
+
+
+def forked_subprocess() -> types.SimpleNamespace:
+    """A stand-in for the `subprocess` module of a tool under test (`monkeypatch.setattr(tool,
+    "subprocess", forked_subprocess())`): its Popen and run fork what `forked_command` can, as the
+    tool's own calls would have run it, and leave every other command, and the rest, to subprocess."""
+
+    def popen(args, stdout=None, stderr=None, env=None, cwd=None, **kwargs):
+        job = forked_command(args, env, cwd)
+        if job is None:
+            return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, **kwargs)
+        return _ForkedPopen(job, args, stdout, stderr)
+
+    def run(args, stdout=None, stderr=None, env=None, cwd=None, timeout=None, **kwargs):
+        capture = kwargs.pop("capture_output", False)
+        job = None if kwargs.get("input") is not None else forked_command(args, env, cwd)
+        if job is None:
+            kwargs |= {"capture_output": capture} if capture else {}
+            return subprocess.run(
+                args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, timeout=timeout, **kwargs
+            )
+        if capture or stdout == subprocess.PIPE:
+            result = job.wait(3600 if timeout is None else timeout)
+            return subprocess.CompletedProcess(list(args), result.returncode, result.stdout, result.stderr)
+        return subprocess.CompletedProcess(list(args), _ForkedPopen(job, args, stdout, stderr).wait(timeout))
+
+    names = {name: getattr(subprocess, name) for name in dir(subprocess) if not name.startswith("_")}
+    return types.SimpleNamespace(**{**names, "Popen": popen, "run": run})
