@@ -6,7 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-__version__ = "0.22.0"  # = core/pyproject.toml (a test keeps them equal)
+__version__ = "0.23.0"  # = core/pyproject.toml (a test keeps them equal)
 
 
 def impl_dependencies(impl_dir: str | Path) -> list[str]:
