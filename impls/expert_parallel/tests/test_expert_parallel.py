@@ -291,10 +291,11 @@ def test_a_checkpoint_resumes_at_another_world_size_and_ep(single_train, tmp_pat
 
 
 def test_gpt_with_experts_learns_the_reversal(tmp_path):
-    """The nox run's workload: gpt with 4 experts a block, top-2, ep ×2, digit reversal, 200 steps of 64,
-    AdamW 3e-3: >= 95% of the reversed tokens (chance 10%), the routing not collapsed onto one expert."""
-    args = [*GPT, *MOE, "--steps", "200", "--global-batch-size", "64", "--lr", "3e-3"]
-    run_ep(2, [*args, "--eval-every", "100", "--target-accuracy", "0.95", "--out", str(tmp_path)])
+    """The nox run's workload, half its steps: gpt with 4 experts a block, top-2, ep ×2, digit reversal, 100
+    steps of 64, AdamW 3e-3: >= 95% of the reversed tokens (chance 10%), the routing not collapsed onto
+    one expert. Measured (seeds 0, 1, 2): 99.2%, 95.9%, 100% at step 25, 100% from step 50 on."""
+    args = [*GPT, *MOE, "--steps", "100", "--global-batch-size", "64", "--lr", "3e-3"]
+    run_ep(2, [*args, "--eval-every", "50", "--target-accuracy", "0.95", "--out", str(tmp_path)])
     record = read_record(tmp_path)
     assert record["final_accuracy"] >= 0.95, record["evals"]
     assert record["steps"][-1]["loss"] < record["steps"][0]["loss"] / 10
