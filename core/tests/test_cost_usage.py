@@ -59,7 +59,10 @@ def test_a_process_traces_this_project_s_models_once_and_yours_every_time(monkey
         usage_module, "traced_usage", lambda *a, **k: traced.append("x") or real_trace(*a, **k)
     )
     info = DatasetInfo("synthetic-for-the-cache-test", 10, (1, 28, 28), "image")  # (a key no other test uses)
-    first, again = (model_usage("lenet", info, gpt_layers=2) for _ in range(2))
+    with torch.no_grad():  # (traced with gradients whatever the caller's mode: a process keeps it)
+        first = model_usage("lenet", info, gpt_layers=2)
+    again = model_usage("lenet", info, gpt_layers=2)
+    assert len(first.gradient_order) == 8  # (every parameter of lenet's: traced with gradients)
     assert again is first and len(traced) == 1
     mine = [model_usage("distref.testing.own:example_mlp", EXAMPLE, gpt_layers=2) for _ in range(2)]
     assert mine[0] == mine[1] and mine[0] is not mine[1] and len(traced) == 3

@@ -288,7 +288,8 @@ def test_rehearsed_on_cpu_the_table_has_numbers(bench, tmp_path, monkeypatch):
     """--device cpu: the bare loop, single and ddp ×1 (torchrun), the tiny gpt, eager and compiled (with
     dynamo and AOTAutograd but not inductor's code generation: seconds, not minutes), end to end."""
     monkeypatch.setenv("DISTREF_COMPILE_BACKEND", "aot_eager")  # (the runs inherit it)
-    monkeypatch.setattr(bench, "subprocess", forked_subprocess())  # (its runs forked: no torch import)
+    stand_in = forked_subprocess()  # (its runs forked: no torch import each)
+    monkeypatch.setattr(bench, "subprocess", stand_in)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (each run sets its own threads: one)
     out = tmp_path / "bench"
     argv = ["--device", "cpu", "--quick", "--steps", "8", "--warmup", "3", "--impls", "single,ddp"]
@@ -298,6 +299,7 @@ def test_rehearsed_on_cpu_the_table_has_numbers(bench, tmp_path, monkeypatch):
     numbers = json.loads((out / "gpu-bench.json").read_text())
     rows = {(r["name"], r["mode"]): r for r in numbers["rows"]}
     assert [r["name"] for r in numbers["rows"]] == ["bare", "single", "ddp"] * 2
+    assert len(stand_in.forked) == 6  # (each row's run)
     for (name, mode), row in rows.items():
         n = row["numbers"]
         assert row["status"] == "ran" and row["world"] == 1, row

@@ -132,7 +132,8 @@ def test_the_table_reads_each_record_and_the_gpu_tests_junit(gpu_check, tmp_path
 @pytest.mark.slow
 def test_rehearsed_on_cpu_it_runs_records_and_compares_with_single(gpu_check, tmp_path, monkeypatch):
     """--device cpu: the plan's own commands, on gloo, for single and ddp ×1 (fp32) and the profiler."""
-    monkeypatch.setattr(gpu_check, "subprocess", forked_subprocess())  # (its runs forked: no torch import)
+    stand_in = forked_subprocess()  # (its runs forked: no torch import each)
+    monkeypatch.setattr(gpu_check, "subprocess", stand_in)
     out = tmp_path / "check"
     only = ["--only", "single ×1 gpt fp32", "--only", "ddp ×1 gpt fp32", "--only", "ddp ×1 profiler"]
     code = gpu_check.main(["--device", "cpu", "--steps", "3", "--out", str(out), *only])
@@ -147,6 +148,8 @@ def test_rehearsed_on_cpu_it_runs_records_and_compares_with_single(gpu_check, tm
     assert "| ddp ×1 (no parallelism) |" in parity and "0.0e+00" in parity
     assert "plan --validate` on every record (exit code 0)" in text
     assert (out / "world1" / "fp32" / "ddp" / "record.json").exists()
+    forked = {" ".join(command) for command in stand_in.forked}
+    assert sum("train.py" in command for command in forked) == 3, forked  # (and the report, the plan)
 
 
 def test_a_job_whose_modules_do_not_import_is_listed_not_run(gpu_check, tmp_path):

@@ -78,9 +78,17 @@ def compared(tmp_path_factory, worker_id):
                 open(shared / "compare.partial", "w") as printed,
                 contextlib.redirect_stdout(printed),
             ):
-                for tool in (compare, parity):
-                    patch.setattr(tool, "subprocess", forked_subprocess())
-                compare.main([*argv, *WORKLOAD, "--out", str(out)])  # (a failure: SystemExit, the test's)
+                stand_ins = [forked_subprocess(), forked_subprocess()]
+                for tool, stand_in in zip((compare, parity), stand_ins, strict=True):
+                    patch.setattr(tool, "subprocess", stand_in)
+                try:
+                    compare.main([*argv, *WORKLOAD, "--out", str(out)])
+                except SystemExit as exit_:  # (what compare said, in the failure)
+                    printed.flush()
+                    text = (shared / "compare.partial").read_text()[-3000:]
+                    pytest.fail(f"compare exited {exit_.code}:\n{text}")
+            # single's and ddp's runs, then each against its exact oracle: forked
+            assert [len(stand_in.forked) for stand_in in stand_ins] == [2, 2], stand_ins
             (shared / "compare.partial").rename(stdout)
     return out, stdout.read_text()
 
@@ -865,8 +873,9 @@ def test_on_one_gpu_compare_runs_what_fits_and_reports_pipeline_as_not_run(tmp_p
     from distref import compare, parity
 
     monkeypatch.setattr(compare, "cuda_gpus", lambda: (1, "1 × a GPU"))
-    for tool in (compare, parity):  # (its runs forked from the fork server: no interpreter to start)
-        monkeypatch.setattr(tool, "subprocess", forked_subprocess())
+    stand_in = forked_subprocess()  # (its runs forked from the fork server: no interpreter to start)
+    monkeypatch.setattr(compare, "subprocess", stand_in)
+    monkeypatch.setattr(parity, "subprocess", forked_subprocess())
     workload = ["--model", "lenet", "--dataset", "synthetic", "--steps", "2", "--eval-every", "2"]
     workload += ["--optimizer", "sgd", "--lr", "0.01", "--global-batch-size", "32"]
     why = "needs 2 GPUs, 1 visible (1 rank: 1 ranks with --dp 1 leave 1 rank per pipeline: a pipeline needs 2 or more)"
@@ -892,6 +901,7 @@ def test_on_one_gpu_compare_runs_what_fits_and_reports_pipeline_as_not_run(tmp_p
     stdout = capsys.readouterr().out
     assert f"pipeline: not run ({why})" in stdout
     assert "[1/2] single (world 1)" in stdout and "[2/2] ddp (world 1)" in stdout
+    assert len(stand_in.forked) == 2  # (single's and ddp's runs)
     assert load_record(out / "ddp")["status"] == "completed" and not (out / "pipeline").exists()
     report = (out / "report.md").read_text()
     not_run = report.split("## Not run\n")[1].split("\n## ")[0]

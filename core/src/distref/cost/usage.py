@@ -140,10 +140,13 @@ def traced_usage(model: nn.Module, input_shape: tuple[int, ...], tokens: bool) -
     ]
     dtype = torch.long if tokens else next(model.parameters()).dtype
     try:
-        output = model(torch.zeros((2, *input_shape), dtype=dtype, device="meta"))
-        roots = [t for t in torch.utils._pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-        if roots:
-            torch.autograd.backward([sum(t.float().sum() for t in roots)])
+        with torch.enable_grad():  # (a caller's no_grad would leave every parameter without a gradient)
+            output = model(torch.zeros((2, *input_shape), dtype=dtype, device="meta"))
+            roots = [
+                t for t in torch.utils._pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad
+            ]
+            if roots:
+                torch.autograd.backward([sum(t.float().sum() for t in roots)])
     finally:
         for hook in hooks:
             hook.remove()

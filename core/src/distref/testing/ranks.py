@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,7 @@ class RankJob:
         """Wait for every rank to end: exit code 0 when each succeeded, else 1, the others stopped (SIGTERM,
         then SIGKILL 30 s later, as torchrun's agent does), and the failure named on stderr, as torchrun's
         report names it. Raises subprocess.TimeoutExpired (the ranks killed) after `timeout` seconds.
-        Called again, it returns the same result."""
+        Called again, it returns the same result (after a timeout: exit code -9, what the ranks wrote)."""
         if self._result is not None:
             return self._result
         deadline, returncode, failure = time.monotonic() + timeout, 0, ""
@@ -163,21 +164,30 @@ class RankJob:
             while not self._context.join(max(deadline - time.monotonic(), 0)):  # True once all have ended
                 if time.monotonic() >= deadline:
                     self.kill()
-                    self._close()
-                    raise subprocess.TimeoutExpired(self._argv, timeout)
+                    self._finish(-signal.SIGKILL, f"the job ran past its timeout ({timeout:.0f} s): killed\n")
+                    raise subprocess.TimeoutExpired(
+                        self._argv, timeout, self._result.stdout, self._result.stderr
+                    )
         except ProcessException as exc:  # (exited, or raised before train.py ran)
             if self._plain:
                 returncode = getattr(exc, "exit_code", None) or 1
             else:
                 returncode = 1  # a rank failed: torch has stopped the others, as torchrun's agent does
                 failure = f"run_ranks: the job failed: rank {exc.error_index} ({exc})\n"
+        self._finish(returncode, failure)
+        return self._result
+
+    def _finish(self, returncode: int, failure: str) -> None:
+        """The job's result, from what its ranks wrote (undecodable bytes replaced, line endings kept)."""
         out, err = (os.path.join(self._tmp.name, name) for name in ("stdout", "stderr"))
-        with open(out) as stdout, open(err) as stderr:
+        with (
+            open(out, errors="replace", newline="") as stdout,
+            open(err, errors="replace", newline="") as stderr,
+        ):
             self._result = subprocess.CompletedProcess(
                 self._argv, returncode, stdout.read(), stderr.read() + failure
             )
         self._close()
-        return self._result
 
     def _close(self) -> None:
         self._store = None  # the ranks are gone: close the store's server

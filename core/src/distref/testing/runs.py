@@ -117,14 +117,21 @@ def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
     return run_script([*cmd, str(train_path(impl)), *args], **kwargs)
 
 
+def _count(value: str | None) -> int | None:
+    """A launch option's number of ranks; None for anything else ("auto", missing)."""
+    return int(value) if value is not None and value.isdigit() else None
+
+
 def _torchrun_ranks(options: Sequence[str]) -> tuple[int, int] | None:
     """(ranks, index of the script) of `torchrun OPTIONS FILE ARGS` when its options are only --standalone
-    and --nproc-per-node (the ones forked_command emulates); else None."""
+    and a number of --nproc-per-node (the ones forked_command emulates); else None."""
     nproc, i = None, 0
     while i < len(options) and options[i].startswith("-"):
         name, equals, value = options[i].partition("=")
         if name in ("--nproc-per-node", "--nproc_per_node"):
-            nproc = int(value if equals else options[i + 1])
+            nproc = _count(value if equals else (options[i + 1] if i + 1 < len(options) else None))
+            if nproc is None:
+                return None
             i += 1 if equals else 2
         elif options[i] == "--standalone":
             i += 1
@@ -134,12 +141,17 @@ def _torchrun_ranks(options: Sequence[str]) -> tuple[int, int] | None:
 
 
 def _self_launched_ranks(args: Sequence[str]) -> int | None:
-    """N of `python train.py ARGS --nproc-per-node N` (or `--nproc-per-node=N`): the ranks it starts."""
+    """N of `python train.py ARGS --nproc-per-node N` (or `--nproc-per-node=N`): the ranks it starts;
+    0 where the launch cannot be emulated (no number of ranks, restarts asked for), None without it."""
+    nproc = None
     for i, token in enumerate(args):
         name, equals, value = token.partition("=")
+        given = value if equals else (args[i + 1] if i + 1 < len(args) else None)
         if name == "--nproc-per-node":
-            return int(value if equals else args[i + 1])
-    return None
+            nproc = _count(given) or 0
+        elif name == "--max-restarts" and given != "0":
+            return 0  # (forked ranks are not restarted)
+    return nproc
 
 
 def forked_command(
@@ -150,7 +162,8 @@ def forked_command(
     `python FILE ARGS` (an impl's train.py given `--nproc-per-node N`: the N ranks its launcher would
     start), `python -m MODULE ARGS`, and `python -m torch.distributed.run [--standalone] --nproc-per-node N
     FILE ARGS`. None for any other command, which the caller runs as it is. The launchers' own code does
-    not run (their tests run the real thing); the ranks' and the scripts' does."""
+    not run (their tests run the real thing: its checks before any rank starts, its restarts); the
+    ranks' and the scripts' does."""
     command = [os.fspath(token) for token in command]
     if len(command) < 2 or command[0] != sys.executable:
         return None
@@ -165,69 +178,98 @@ def forked_command(
     if command[1].endswith(".py"):
         script, args = command[1], command[2:]
         if (nproc := _self_launched_ranks(args)) is not None and Path(script).name == "train.py":
+            if nproc == 0:
+                return None
             return start_ranks(nproc, script, without_launch_options(args), env=env, cwd=cwd)
         return start_process(script, args, env=env, cwd=cwd)
     return None
 
 
-def _write(target, text: str) -> None:
-    """`text` to a file object opened as text or as bytes (None, DEVNULL: nowhere)."""
+def _write(target, text: str, inherited) -> None:
+    """`text` where Popen's `stdout`/`stderr` said: a file object opened as text or as bytes, None (this
+    process's own `inherited` stream, as a child would inherit it), DEVNULL (nowhere)."""
+    if target is None:
+        target = inherited
     if hasattr(target, "write"):
-        target.write(text if isinstance(target, io.TextIOBase) else text.encode())
+        target.write(text if isinstance(target, io.TextIOBase) else text.encode(errors="replace"))
         target.flush()
 
 
 class _ForkedPopen:
     """subprocess.Popen's part the tools use (`wait`, `poll`, `returncode`, `pid`, `stdout` when PIPE),
-    for a forked job: its output is written, when it ends, where Popen's `stdout` and `stderr` say."""
+    for a forked job: its output is written, when it ends, where Popen's `stdout` and `stderr` say. After
+    a timeout (the job killed, where Popen would leave it running: a tool stops it then) `wait` returns
+    -9 with what it wrote."""
 
     def __init__(self, job: RankJob, args: Sequence[str], stdout, stderr):
         self._job, self.args, self._out, self._err = job, list(args), stdout, stderr
         self.pid, self.returncode, self.stdout = job.pids[0], None, None
         if stdout == subprocess.PIPE:  # (read as the job's output comes: at its end, here)
-            read_end, self._pipe = os.pipe()
-            self.stdout = open(read_end, "rb")  # noqa: SIM115 (the caller reads and closes it)
+            read_end, write_end = os.pipe()
+            self.stdout, self._pipe = open(read_end, "rb"), open(write_end, "wb")  # noqa: SIM115
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            result = self._job.wait(3600 if timeout is None else timeout)  # (TimeoutExpired: killed)
-            merged = self._err == subprocess.STDOUT
-            if self.stdout is not None:
-                os.write(self._pipe, (result.stdout + (result.stderr if merged else "")).encode())
-                os.close(self._pipe)
-            else:
-                _write(self._out, result.stdout)
-                _write(self._out if merged else self._err, result.stderr)
-            self.returncode = result.returncode
+            try:
+                result = self._job.wait(3600 if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                self._deliver(self._job.wait())  # (killed: exit code -9, and what it wrote)
+                raise
+            self._deliver(result)
         return self.returncode
+
+    def _deliver(self, result: subprocess.CompletedProcess) -> None:
+        merged = self._err == subprocess.STDOUT
+        if self.stdout is not None:
+            with self._pipe:  # (closed, whatever happens: the reader sees the end)
+                self._pipe.write((result.stdout + (result.stderr if merged else "")).encode(errors="replace"))
+        else:
+            _write(self._out, result.stdout, sys.stdout)
+            _write(self._out if merged else self._err, result.stderr, sys.stderr)
+        self.returncode = result.returncode
 
     def poll(self) -> int | None:
         return None if self._job.running() and self.returncode is None else self.wait()
 
 
+# What forked_subprocess's Popen takes besides the command: anything else (stdin, text, encoding, ...) and
+# the command runs as it is
+_POPEN_ARGUMENTS = {"stdout", "stderr", "env", "cwd", "start_new_session"}
+
+
 def forked_subprocess() -> types.SimpleNamespace:
     """A stand-in for the `subprocess` module of a tool under test (`monkeypatch.setattr(tool,
     "subprocess", forked_subprocess())`): its Popen and run fork what `forked_command` can, as the
-    tool's own calls would have run it, and leave every other command, and the rest, to subprocess."""
+    tool's own calls would have run it, and leave every other command, and the rest, to subprocess. Its
+    `forked` lists the command lines it forked (a test shows that they were)."""
+    forked: list[list[str]] = []
 
-    def popen(args, stdout=None, stderr=None, env=None, cwd=None, **kwargs):
-        job = forked_command(args, env, cwd)
+    def popen(args, **kwargs):
+        job = (
+            forked_command(args, kwargs.get("env"), kwargs.get("cwd"))
+            if set(kwargs) <= _POPEN_ARGUMENTS
+            else None
+        )
         if job is None:
-            return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, **kwargs)
-        return _ForkedPopen(job, args, stdout, stderr)
+            return subprocess.Popen(args, **kwargs)
+        forked.append(list(map(str, args)))
+        return _ForkedPopen(job, args, kwargs.get("stdout"), kwargs.get("stderr"))
 
-    def run(args, stdout=None, stderr=None, env=None, cwd=None, timeout=None, **kwargs):
-        capture = kwargs.pop("capture_output", False)
-        job = None if kwargs.get("input") is not None else forked_command(args, env, cwd)
+    def run(args, timeout=None, **kwargs):
+        capture, text = kwargs.get("capture_output", False), kwargs.get("text", False)
+        plain = {k: v for k, v in kwargs.items() if k not in ("capture_output", "text")}
+        piped = capture or plain.get("stdout") == subprocess.PIPE
+        if not set(plain) <= _POPEN_ARGUMENTS or (piped and not text):  # (check, input, bytes: as it is)
+            return subprocess.run(args, timeout=timeout, **kwargs)
+        job = forked_command(args, plain.get("env"), plain.get("cwd"))
         if job is None:
-            kwargs |= {"capture_output": capture} if capture else {}
-            return subprocess.run(
-                args, stdout=stdout, stderr=stderr, env=env, cwd=cwd, timeout=timeout, **kwargs
-            )
-        if capture or stdout == subprocess.PIPE:
+            return subprocess.run(args, timeout=timeout, **kwargs)
+        forked.append(list(map(str, args)))
+        if piped:
             result = job.wait(3600 if timeout is None else timeout)
             return subprocess.CompletedProcess(list(args), result.returncode, result.stdout, result.stderr)
-        return subprocess.CompletedProcess(list(args), _ForkedPopen(job, args, stdout, stderr).wait(timeout))
+        process = _ForkedPopen(job, args, plain.get("stdout"), plain.get("stderr"))
+        return subprocess.CompletedProcess(list(args), process.wait(timeout))
 
     names = {name: getattr(subprocess, name) for name in dir(subprocess) if not name.startswith("_")}
-    return types.SimpleNamespace(**{**names, "Popen": popen, "run": run})
+    return types.SimpleNamespace(**{**names, "Popen": popen, "run": run, "forked": forked})
