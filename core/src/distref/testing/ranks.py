@@ -194,6 +194,35 @@ class RankJob:
         self._tmp.cleanup()
 
 
+def _fork(
+    nproc: int,
+    target: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | os.PathLike | None,
+    store=None,
+    module: bool = False,
+) -> RankJob:
+    """`nproc` processes forked from the fork server, each running `target argv` (`_rank_main`: as a rank
+    where there is a `store`, else as `python` runs it), their output in the job's two files."""
+    note_started_processes()
+    # (the preload takes effect when this process starts its fork server)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preloaded())
+    tmp = tempfile.TemporaryDirectory()
+    out, err = os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")
+    open(out, "w").close()
+    open(err, "w").close()
+    ranks = store is not None
+    context = torch.multiprocessing.start_processes(
+        _rank_main,
+        args=(target, list(argv), dict(env), os.fspath(cwd or os.getcwd()), out, err, ranks, module),
+        nprocs=nproc,
+        join=False,
+        start_method="forkserver",
+    )
+    return RankJob(context, store, tmp, [target, *argv], plain=not ranks)
+
+
 def start_ranks(
     nproc: int,
     train_file: str,
@@ -205,9 +234,6 @@ def start_ranks(
     """Start `train_file argv` as `nproc` ranks on this machine, as `torchrun --standalone --nproc-per-node
     nproc` would start them (its attempt `restart_count`: 1 is what `--max-restarts` starts after a failed
     first attempt), and return without waiting for them."""
-    note_started_processes()
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(preloaded())  # takes effect when this process starts its fork server
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     job_env = {
         **(os.environ if env is None else env),
@@ -223,18 +249,7 @@ def start_ranks(
         "TORCHELASTIC_MAX_RESTARTS": str(restart_count),
         "TORCHELASTIC_RUN_ID": "distref-testing",
     }
-    tmp = tempfile.TemporaryDirectory()
-    out, err = os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")
-    open(out, "w").close()
-    open(err, "w").close()
-    context = torch.multiprocessing.start_processes(
-        _rank_main,
-        args=(train_file, list(argv), job_env, os.fspath(cwd or os.getcwd()), out, err),
-        nprocs=nproc,
-        join=False,
-        start_method="forkserver",
-    )
-    return RankJob(context, store, tmp, [train_file, *argv])
+    return _fork(nproc, train_file, argv, job_env, cwd, store=store)
 
 
 def start_process(
@@ -247,21 +262,7 @@ def start_process(
     """Start `python script argv` (`module`: `python -m script argv`) as one process forked from the fork
     server, without torchrun's variables: a one-process command of a tool under test, which would
     otherwise spend ~2 s of CPU importing torch. Its job: `wait` returns what subprocess.run would."""
-    note_started_processes()
-    tmp = tempfile.TemporaryDirectory()
-    out, err = os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")
-    open(out, "w").close()
-    open(err, "w").close()
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preloaded())
-    env = dict(os.environ if env is None else env)
-    context = torch.multiprocessing.start_processes(
-        _rank_main,
-        args=(script, list(argv), env, os.fspath(cwd or os.getcwd()), out, err, False, module),
-        nprocs=1,
-        join=False,
-        start_method="forkserver",
-    )
-    return RankJob(context, None, tmp, [script, *argv], plain=True)
+    return _fork(1, script, argv, os.environ if env is None else env, cwd, module=module)
 
 
 def run_ranks(

@@ -72,10 +72,16 @@ def made_once(tmp_path_factory, name: str, key: tuple, make: Callable[[Path], ob
     return path
 
 
+def child_environment(env: dict | None = None) -> dict:
+    """What a test's processes run with: this one's variables, one thread each (as every rank has), output
+    unbuffered, and `env`."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 def run_script(args: list[str], env: dict | None = None, timeout: float = 300, cwd: Path = ROOT):
     """Run a command with one thread per process (as every rank would) and return the CompletedProcess."""
     note_started_processes()
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = child_environment(env)
     return subprocess.run(args, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
 
 
@@ -84,7 +90,7 @@ def run_forked(args: list[str], env: dict | None = None, timeout: float = 300, c
     --nproc-per-node N ARGS`), run forked from the fork server (forked_command): what the process does,
     without its ~2 s of CPU importing torch; a test of the command line itself, or of its launcher, uses
     run_script."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = child_environment(env)
     job = forked_command(args, full_env, cwd)
     return run_script(args, env, timeout, cwd) if job is None else job.wait(timeout)
 
@@ -106,7 +112,7 @@ def launch(nproc: int, impl: str, args: list[str], timeout: float = 300, env: di
 def start(nproc: int, impl: str, args: list[str], env: dict | None = None, restart_count: int = 0) -> RankJob:
     """`launch`'s ranks, started and not waited for (a fault test stops or kills one of them); its
     attempt `restart_count`, as torchrun's --max-restarts would start it."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = child_environment(env)
     return start_ranks(
         nproc, str(train_path(impl)), args, env=full_env, cwd=ROOT, restart_count=restart_count
     )
