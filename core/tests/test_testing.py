@@ -303,11 +303,25 @@ def test_a_tool_s_command_lines_run_forked_as_the_processes_they_name(tmp_path):
             "['b'] 0 2 True",
             "['b'] 1 2 True",
         ]
-    for command in ([python, "-c", "print(1)"], [*torchrun[:3], "--max-restarts=1", *torchrun[3:]], ["ls"]):
+    # PYTHONPATH's folders on sys.path, after the file's
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "mine.py").write_text("import sys; print('mine'); sys.exit(4)")
+    (tmp_path / "uses.py").write_text("import mine")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+    for command in ([python, str(tmp_path / "uses.py")], [python, "-m", "mine"]):
+        used = forked_command(command, env=env, cwd=tmp_path).wait(60)
+        assert (used.returncode, used.stdout) == (4, "mine\n"), used.stderr
+    no_ranks = [*torchrun[:4], "--nproc-per-node=0", *torchrun[5:]]
+    for command in (
+        [python, "-c", "print(1)"],
+        [*torchrun[:3], "--max-restarts=1", *torchrun[3:]],
+        ["ls"],
+        no_ranks,
+    ):
         assert forked_command(command) is None
 
 
-def test_the_subprocess_stand_in_gives_the_output_where_the_tool_asked(tmp_path):
+def test_the_subprocess_stand_in_gives_the_output_where_the_tool_asked(tmp_path, capsys):
     """forked_subprocess's Popen and run: stdout and stderr to a log (stderr=STDOUT), to a pipe the tool
     reads, captured; a command it does not fork runs as subprocess would run it."""
     from distref.testing import forked_subprocess
@@ -321,16 +335,19 @@ def test_the_subprocess_stand_in_gives_the_output_where_the_tool_asked(tmp_path)
     assert (tmp_path / "log").read_text() == "[] None None True\nto stderr\n"
     piped = stand_in.Popen(command, stdout=stand_in.PIPE, stderr=stand_in.STDOUT)
     assert piped.wait() == 0 and piped.stdout.read() == b"[] None None True\nto stderr\n"
+    piped = stand_in.Popen(command, stdout=stand_in.PIPE)  # (stderr: this process's, as a child's would be)
+    assert piped.wait() == 0 and piped.stdout.read() == b"[] None None True\n"
+    assert capsys.readouterr().err == "to stderr\n"
     with open(tmp_path / "log", "wb") as log:  # (a log opened for bytes)
         assert stand_in.run(command, stdout=log, stderr=stand_in.STDOUT, timeout=60).returncode == 0
     assert (tmp_path / "log").read_bytes() == b"[] None None True\nto stderr\n"
     captured = stand_in.run(command, capture_output=True, text=True)
     assert (captured.stdout, captured.stderr) == ("[] None None True\n", "to stderr\n")
-    assert stand_in.forked == [command] * 4
+    assert stand_in.forked == [command] * 5
     (tmp_path / "where.py").write_text(FORKED)
     forked = stand_in.run([sys.executable, str(tmp_path / "where.py")], capture_output=True, text=True)
     real = stand_in.run([sys.executable, "-c", FORKED], capture_output=True)  # (-c: not forked)
-    assert (forked.stdout, real.stdout) == ("forked\n", b"fresh\n") and len(stand_in.forked) == 5
+    assert (forked.stdout, real.stdout) == ("forked\n", b"fresh\n") and len(stand_in.forked) == 6
     assert stand_in.TimeoutExpired is subprocess.TimeoutExpired
     # Past its timeout: killed (a tool then stops it, and waits again), what it wrote kept, the pipe closed
     slow = {**os.environ, "SLEEP": "60"}

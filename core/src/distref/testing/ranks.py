@@ -85,6 +85,8 @@ def _rank_main(
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):  # every rank appends to the job's two files, as under torchrun
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    # (line-buffered: a rank's line reaches the job's file whole, beside the other ranks'; a script that
+    # ends with its own os._exit loses a last line without its newline, which `python -u` would keep)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own stdout)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
@@ -100,8 +102,10 @@ def _rank_main(
         sys.modules["numpy"].random.seed()
     code = 0
     try:
-        # what `python FILE` and `python -m MODULE` put first on sys.path: the file's folder, the cwd
-        sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(train_file)))
+        # what `python FILE` and `python -m MODULE` put first on sys.path: the file's folder (the cwd),
+        # then PYTHONPATH's folders
+        first = os.getcwd() if module else os.path.dirname(os.path.abspath(train_file))
+        sys.path[0:0] = [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         if module:
             runpy.run_module(train_file, run_name="__main__", alter_sys=True)
         else:

@@ -125,7 +125,7 @@ def torchrun(nproc: int, impl: str, args: list[str], **kwargs):
 
 def _count(value: str | None) -> int | None:
     """A launch option's number of ranks; None for anything else ("auto", missing)."""
-    return int(value) if value is not None and value.isdigit() else None
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def _torchrun_ranks(options: Sequence[str]) -> tuple[int, int] | None:
@@ -229,6 +229,8 @@ class _ForkedPopen:
         if self.stdout is not None:
             with self._pipe:  # (closed, whatever happens: the reader sees the end)
                 self._pipe.write((result.stdout + (result.stderr if merged else "")).encode(errors="replace"))
+            if not merged:
+                _write(self._err, result.stderr, sys.stderr)
         else:
             _write(self._out, result.stdout, sys.stdout)
             _write(self._out if merged else self._err, result.stderr, sys.stderr)
